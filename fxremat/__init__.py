@@ -1,0 +1,13 @@
+"""fxremat: a graph-level recomputation compiler for PyTorch.
+
+``fxremat.compile(model, budget)`` returns a module that trains with its activation peak under
+``budget`` and with the least recomputation, for any torch.fx-traceable ``nn.Module``.
+"""
+
+from .api import RematModule, compile, plan
+from .errors import InfeasibleBudgetError, TraceError
+from .measure import measure_peak
+from .plan import Plan, Segment
+
+__all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "TraceError"]
+__version__ = "0.1.0"

@@ -1,0 +1,244 @@
+"""The public API: :func:`compile`, :func:`plan` and :class:`RematModule`.
+
+The pipeline, one stage per module: trace (:mod:`fxremat.passes.trace`) → profile
+(:mod:`fxremat.passes.profile`) → DAG with costs (:mod:`fxremat.graph`) → strategy
+(:mod:`fxremat.planner`, solvers in :mod:`fxremat.solvers`) → GraphModule
+(:mod:`fxremat.passes.rewrite`).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from .budget import parse_budget
+from .graph import CostGraph, build_graph
+from .lowersets import bits
+from .passes.profile import GraphCosts, profile
+from .passes.rewrite import rewrite
+from .passes.trace import trace
+from .plan import Plan, Segment
+from .planner import DEFAULT_EXACT_CAP, Choice, choose
+
+__all__ = ["compile", "plan", "RematModule"]
+
+log = logging.getLogger("fxremat")
+
+_OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3}
+
+
+@dataclass(frozen=True)
+class _Config:
+    budget: object
+    strategy: str
+    cost_model: str
+    exact_cap: int
+    max_plans: int
+    profile_repeats: int
+
+
+def _config(budget, strategy, cost_model, options) -> _Config:
+    unknown = set(options) - set(_OPTIONS)
+    if unknown:
+        raise TypeError(f"fxremat.compile: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    merged = {**_OPTIONS, **options}
+    if not isinstance(merged["max_plans"], int) or merged["max_plans"] < 1:
+        raise ValueError(f"fxremat.compile: max_plans must be a positive int, got {merged['max_plans']!r}")
+    return _Config(parse_budget(budget), strategy, cost_model, **merged)
+
+
+def _as_tuple(example_inputs) -> tuple:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError(
+            f"fxremat: example_inputs must be a tensor or a tuple of the model's positional inputs, "
+            f"got {type(example_inputs).__name__}"
+        )
+    return tuple(example_inputs)
+
+
+def _plan_from(graph: CostGraph, choice: Choice, cost_model: str) -> Plan:
+    segments = []
+    for seg, rec in zip(choice.schedule.segments, choice.schedule.recomputed):
+        members = set(seg)
+        kept = [v for v in seg if graph.is_output[v] or any(s not in members for s in graph.succs[v])]
+        kept_roots = {graph.root[v] for v in kept}
+        segments.append(Segment(
+            nodes=tuple(graph.names[v] for v in seg),
+            recomputed=rec,
+            kept=tuple(graph.names[v] for v in kept),
+            kept_bytes=sum(graph.out_bytes[r] for r in kept_roots),
+            recompute_cost=sum(graph.time[v] for v in seg) * graph.time_unit if rec else 0.0,
+        ))
+    return Plan(
+        strategy=choice.strategy,
+        objective=choice.objective,
+        budget_bytes=choice.budget_bytes,
+        baseline_peak_bytes=choice.baseline_peak_bytes,
+        predicted_peak_bytes=choice.peak_bytes,
+        predicted_overhead=choice.recompute_time * graph.time_unit / graph.step_cost,
+        solve_seconds=choice.solve_seconds,
+        segments=tuple(segments),
+        cost_model=cost_model,
+        num_nodes=graph.n,
+        num_lower_sets=choice.num_lower_sets,
+    )
+
+
+def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Plan, GraphCosts]:
+    costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
+    graph = build_graph(gm, costs)
+    choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap)
+    return _plan_from(graph, choice, costs.cost_model), costs
+
+
+def _emit(gm: fx.GraphModule, the_plan: Plan, costs: GraphCosts) -> fx.GraphModule:
+    segments = [list(s.nodes) for s in the_plan.segments]
+    mutated = {c.name: c.mutated_buffers for c in costs.nodes}
+    return rewrite(gm, segments, [s.recomputed for s in the_plan.segments], mutated)
+
+
+def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
+         leaf_modules=(), **options) -> Plan:
+    """Plan recomputation for ``model`` on ``example_inputs`` under ``budget`` without rewriting.
+
+    See :func:`compile` for the arguments. Raises :class:`fxremat.InfeasibleBudgetError` when
+    no plan fits the budget.
+    """
+    config = _config(budget, strategy, cost_model, options)
+    gm = trace(model, leaf_modules=leaf_modules)
+    return _plan_traced(gm, _as_tuple(example_inputs), config)[0]
+
+
+def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: str = "auto",
+            cost_model: str = "measured", leaf_modules=(), **options) -> "RematModule":
+    """Return a :class:`RematModule` that trains ``model`` with its activation peak within ``budget``.
+
+    ``budget``: int bytes, a string with a unit (``"800MiB"``), a fraction in (0, 1] of the
+    peak without recomputation, or ``"min"``. ``example_inputs``: the positional inputs to plan
+    for now; with ``None`` planning happens on the first training-mode forward. ``strategy``:
+    ``"auto"`` (exact DP while the lower sets are at most ``exact_cap``, else approximate),
+    ``"exact"`` or ``"approx"``. ``cost_model``: ``"measured"``, ``"flops"`` or ``"uniform"``.
+    ``leaf_modules``: classes or qualified names of submodules to keep as single nodes.
+    Options: ``exact_cap`` (default 2000), ``max_plans`` (input signatures cached, default 8),
+    ``profile_repeats`` (default 3).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
+    config = _config(budget, strategy, cost_model, options)
+    remat = RematModule(model, trace(model, leaf_modules=leaf_modules), config)
+    if example_inputs is not None:
+        remat._prepare(_as_tuple(example_inputs))
+    return remat
+
+
+def _signature(inputs: tuple) -> tuple:
+    leaves = tree_flatten(inputs)[0]
+    return tuple(
+        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else (type(x), x)
+        for x in leaves
+    )
+
+
+class _State:
+    """RematModule's own state, kept out of nn.Module registration (so out of state_dict)."""
+
+    def __init__(self, model, traced, config):
+        self.model = model
+        self.traced = traced
+        self.config = config
+        self.signature = inspect.signature(model.forward)
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.last = None
+
+
+class RematModule(torch.nn.Module):
+    """``model`` with recomputation: same parameters, buffers and ``state_dict`` (shared, not
+    copied), trained with its activation peak within the budget.
+
+    In training mode with gradients enabled, it runs the emitted GraphModule for the input
+    signature (planning on first sight of a signature); in ``eval()`` or under
+    ``torch.no_grad()`` it runs the original model plainly.
+    """
+
+    def __init__(self, model: torch.nn.Module, traced: fx.GraphModule, config: _Config):
+        super().__init__()
+        # Share the model's registries: identical state_dict keys, order and tensors.
+        self._modules = model._modules
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self.training = model.training
+        self._remat = _State(model, traced, config)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._remat.model.training = mode
+        return self
+
+    def _bind(self, args, kwargs) -> tuple:
+        bound = self._remat.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def _prepare(self, inputs: tuple):
+        state = self._remat
+        key = _signature(inputs)
+        entry = state.cache.get(key)
+        if entry is None:
+            start = time.perf_counter()
+            the_plan, costs = _plan_traced(state.traced, inputs, state.config)
+            entry = (the_plan, _emit(state.traced, the_plan, costs))
+            log.info("fxremat: planned %s for a new input signature in %.2fs: %s",
+                     type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
+            state.cache[key] = entry
+            while len(state.cache) > state.config.max_plans:
+                state.cache.popitem(last=False)
+        state.cache.move_to_end(key)
+        state.last = entry
+        return entry
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and torch.is_grad_enabled()):
+            return self._remat.model(*args, **kwargs)
+        inputs = self._bind(args, kwargs)
+        _, gm = self._prepare(inputs)
+        return gm(*inputs)
+
+    def _require_plan(self):
+        if self._remat.last is None:
+            raise RuntimeError(
+                "fxremat.RematModule: no plan yet; pass example_inputs= to fxremat.compile or run "
+                "one forward in training mode first"
+            )
+        return self._remat.last
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the most recent input signature."""
+        return self._require_plan()[0]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The emitted GraphModule of the most recent input signature."""
+        return self._require_plan()[1]
+
+    @property
+    def code(self) -> str:
+        """Python source of the emitted forward, followed by each recomputed segment's code."""
+        gm = self.graph_module
+        parts = [f"# fxremat: {type(self._remat.model).__name__}, recomputed segments are seg_*\n"
+                 f"# (their interior is dropped after the forward and recomputed in the backward)",
+                 gm.code.strip("\n")]
+        for name, seg in gm.named_children():
+            if name.startswith("seg_"):
+                parts.append(f"# {name}: recomputed during the backward\n" + seg.code.strip("\n"))
+        return "\n\n".join(parts) + "\n"

@@ -1,0 +1,42 @@
+"""Exceptions raised by fxremat. Each message names the API, the value received and the fix."""
+
+__all__ = ["InfeasibleBudgetError", "TraceError", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes with binary units, e.g. ``format_bytes(3 * 2**20) == '3.0 MiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+class InfeasibleBudgetError(ValueError):
+    """The budget is below the smallest peak any recomputation plan reaches.
+
+    ``min_feasible_bytes`` holds that smallest peak; ``budget="min"`` plans for it.
+    """
+
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int):
+        self.budget_bytes = int(budget_bytes)
+        self.min_feasible_bytes = int(min_feasible_bytes)
+        super().__init__(
+            f"fxremat: budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the "
+            f"smallest feasible peak {min_feasible_bytes} bytes ({format_bytes(min_feasible_bytes)}) "
+            "for this model and input; raise the budget or use budget='min'"
+        )
+
+
+class TraceError(RuntimeError):
+    """torch.fx could not trace the model (for example data-dependent Python control flow)."""
+
+    def __init__(self, qualified_name: str, cause: BaseException):
+        self.qualified_name = qualified_name
+        where = f"submodule {qualified_name!r}" if qualified_name else "the top-level module"
+        hint = (
+            f"pass leaf_modules=({qualified_name!r},) (or its class) so fxremat treats it as one node"
+            if qualified_name
+            else "make its forward traceable by torch.fx (no Python control flow on tensor values)"
+        )
+        super().__init__(f"fxremat: torch.fx could not trace {where}: {type(cause).__name__}: {cause}; {hint}")

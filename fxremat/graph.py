@@ -1,0 +1,121 @@
+"""The DAG of call nodes with their costs: :func:`build_graph` and :class:`CostGraph`.
+
+:class:`CostGraph` is what the solvers see: plain ints in tuples, nodes numbered in topological
+(FX graph) order, no torch objects. :func:`to_networkx` gives the same DAG as a
+``networkx.DiGraph`` with the costs as node attributes, for analysis and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+
+from .passes.profile import CALL_OPS, GraphCosts
+
+__all__ = ["CostGraph", "build_graph", "to_networkx", "TIME_RESOLUTION", "LOSS_OUTPUT_COPIES"]
+
+# Forward costs are scaled to integers summing to about this many units, so that solvers work
+# on exact integer arithmetic (identical answers from the Python and Cython kernels).
+TIME_RESOLUTION = 100_000
+LOSS_OUTPUT_COPIES = 2
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Call nodes ``0..n-1`` in topological order with integer costs.
+
+    ``root[v]`` is the node owning the storage ``v``'s output lives in (``v`` itself unless it
+    is a view); ``saved[v]`` the owners of the storages autograd saves for ``v``'s backward
+    (``v`` included when it saves its own output). ``grad_alias[v]``: its backward passes views
+    of its output's gradient to its inputs instead of new buffers. ``time[v] * time_unit`` is its forward cost
+    in ``cost_unit``; ``step_cost`` is one plain forward + backward in the same unit.
+    ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
+    backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
+    cross-entropy keeps its log-softmax and allocates its gradient).
+    """
+
+    names: tuple[str, ...]
+    preds: tuple[tuple[int, ...], ...]
+    succs: tuple[tuple[int, ...], ...]
+    is_output: tuple[bool, ...]
+    time: tuple[int, ...]
+    out_bytes: tuple[int, ...]
+    root: tuple[int, ...]
+    saved: tuple[tuple[int, ...], ...]
+    extra_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    transient_bytes: tuple[int, ...]
+    time_unit: float
+    step_cost: float
+    cost_unit: str
+    loss_bytes: int = 0
+    grad_alias: tuple[bool, ...] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    def __post_init__(self):
+        for v, ps in enumerate(self.preds):
+            assert all(p < v for p in ps), f"node {self.names[v]} has a predecessor after it: {ps}"
+
+
+def _call_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if a.op in CALL_OPS]
+
+
+def _output_nodes(graph: fx.Graph) -> set[fx.Node]:
+    out = next(n for n in graph.nodes if n.op == "output")
+    return {a for a in out.all_input_nodes if a.op in CALL_OPS}
+
+
+def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
+    """Combine the traced graph and its profile into a :class:`CostGraph`."""
+    calls = [n for n in gm.graph.nodes if n.op in CALL_OPS]
+    index = {n.name: i for i, n in enumerate(calls)}
+    by_name = {c.name: c for c in costs.nodes}
+    assert set(by_name) == set(index), "profile and graph disagree on the call nodes"
+    outputs = _output_nodes(gm.graph)
+    preds = [tuple(sorted({index[a.name] for a in _call_inputs(n)})) for n in calls]
+    succs = [[] for _ in calls]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(v)
+    node_costs = [by_name[n.name] for n in calls]
+    total = sum(c.fwd_cost for c in node_costs) or 1.0
+    unit = total / TIME_RESOLUTION
+    roots = tuple(index.get(c.root, v) for v, c in enumerate(node_costs))
+    out_roots = {roots[v] for v, n in enumerate(calls) if n in outputs and node_costs[v].grad_bytes}
+    saved = []
+    for v, c in enumerate(node_costs):
+        owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
+        saved.append(tuple(sorted(owners)))
+    return CostGraph(
+        names=tuple(n.name for n in calls),
+        preds=tuple(preds),
+        succs=tuple(tuple(s) for s in succs),
+        is_output=tuple(n in outputs for n in calls),
+        time=tuple(round(c.fwd_cost / unit) for c in node_costs),
+        out_bytes=tuple(c.out_bytes for c in node_costs),
+        root=roots,
+        saved=tuple(saved),
+        extra_bytes=tuple(c.extra_bytes for c in node_costs),
+        grad_bytes=tuple(c.grad_bytes for c in node_costs),
+        transient_bytes=tuple(max(c.fwd_transient_bytes, c.param_grad_bytes) for c in node_costs),
+        time_unit=unit,
+        step_cost=costs.step_cost,
+        cost_unit=costs.cost_unit,
+        grad_alias=tuple(c.grad_alias for c in node_costs),
+        loss_bytes=LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
+    )
+
+
+def to_networkx(graph: CostGraph) -> nx.DiGraph:
+    """The DAG as a ``networkx.DiGraph`` (nodes are indices, costs are node attributes)."""
+    g = nx.DiGraph()
+    for v, name in enumerate(graph.names):
+        g.add_node(v, name=name, time=graph.time[v], out_bytes=graph.out_bytes[v])
+    g.add_edges_from((p, v) for v, ps in enumerate(graph.preds) for p in ps)
+    return g

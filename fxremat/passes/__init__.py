@@ -1,0 +1,1 @@
+"""Graph passes of fxremat, in pipeline order: trace, profile, rewrite."""

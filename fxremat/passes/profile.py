@@ -1,0 +1,296 @@
+"""Profile every call node of a traced module on example inputs.
+
+:func:`profile` runs the graph once through an FX interpreter and records, per node,
+- ``out_bytes``: bytes of new storages its output creates (0 for views, which alias ``root``);
+- what autograd saves for its backward, measured with ``saved_tensors_hooks`` and deduplicated
+  by storage: the producers of saved inputs, whether it saves its own output, and
+  ``extra_bytes`` of buffers that alias nothing (dropout masks, pooling indices, BN statistics);
+- ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after;
+- ``grad_alias``: whether its backward hands its inputs views of its output's gradient
+  (``cat``, ``stack``, same-shape ``add``) instead of new buffers;
+- its forward cost: median wall time over repeats (``"measured"``), FLOPs plus a memory-traffic
+  term (``"flops"``, works under ``FakeTensorMode``) or 1 (``"uniform"``).
+Parameters, buffers and graph inputs are outside the budget and are never attributed to nodes.
+Buffers and the RNG state are restored afterwards, so profiling leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..measure import LiveStorageTracker
+
+__all__ = ["NodeCost", "GraphCosts", "profile", "COST_MODELS", "CALL_OPS"]
+
+log = logging.getLogger("fxremat")
+
+COST_MODELS = ("measured", "flops", "uniform")
+CALL_OPS = ("call_module", "call_function", "call_method")
+# FLOP-equivalents charged per byte read or written, so memory-bound ops (BN, ReLU, pooling)
+# are not free under cost_model="flops" (roughly an accelerator's flop/byte balance).
+FLOPS_PER_BYTE = 4
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Measured costs of one FX call node (names are FX node names)."""
+
+    name: str
+    out_bytes: int
+    root: str
+    saved_inputs: tuple[str, ...]
+    saves_output: bool
+    extra_bytes: int
+    fwd_transient_bytes: int
+    grad_bytes: int
+    param_grad_bytes: int
+    fwd_cost: float
+    flops: int
+    module: str
+    source: str
+    mutated_buffers: tuple[str, ...] = ()
+    grad_alias: bool = False
+
+
+@dataclass(frozen=True)
+class GraphCosts:
+    """Per-node costs of a graph, in graph order, and the cost of one plain training step."""
+
+    nodes: tuple[NodeCost, ...]
+    step_cost: float
+    cost_model: str
+    cost_unit: str
+
+
+def _storage_key(t: torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        return None
+    return t.untyped_storage()._cdata
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class _SavedRecorder:
+    """saved_tensors_hooks pack hook recording (storage key, nbytes) of every saved tensor."""
+
+    def __init__(self):
+        self.saved: dict[int, int] = {}
+
+    def pack(self, t):
+        key = _storage_key(t)
+        if key is not None:
+            self.saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _is_fake(values) -> bool:
+    return any(isinstance(t, FakeTensor) for t in _tensors(values))
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        return list(stack.values())[-1][0] if isinstance(list(stack.values())[-1], tuple) else str(list(stack)[-1])
+    return node.target if node.op == "call_module" else ""
+
+
+class _ProfilingInterpreter(fx.Interpreter):
+    """Runs the graph once, recording storage ownership and saved tensors per call node."""
+
+    def __init__(self, gm: fx.GraphModule, cost_model: str, repeats: int):
+        # Values stay alive during profiling so that storage keys are never reused.
+        super().__init__(gm, garbage_collect_values=False)
+        self.cost_model = cost_model
+        self.repeats = repeats
+        self.owner: dict[int, str] = {}  # storage key -> producing node name ("" = external)
+        self.param_keys = {_storage_key(p): p.numel() * p.element_size() for p in gm.parameters()}
+        for b in gm.buffers():
+            self.owner[_storage_key(b)] = ""
+        for k in self.param_keys:
+            self.owner[k] = ""
+        self.costs: list[NodeCost] = []
+        self.buffers = list(gm.named_buffers())
+        self.tracker = LiveStorageTracker()
+
+    def run_node(self, n: fx.Node):
+        if n.op not in CALL_OPS:
+            out = super().run_node(n)
+            for t in _tensors(out):
+                self.owner.setdefault(_storage_key(t), "")
+            return out
+        versions = {name: b._version for name, b in self.buffers}
+        recorder = _SavedRecorder()
+        flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
+        live_before = self.tracker.live_bytes
+        self.tracker.peak_bytes = live_before
+        with self.tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), (
+            flop_counter or contextlib.nullcontext()
+        ):
+            out = super().run_node(n)
+        transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes)
+        flops = flop_counter.get_total_flops() if flop_counter else 0
+        mutated = {name for name, b in self.buffers if b._version != versions[name]}
+        if n.op == "call_module":
+            # Kernels such as native_batch_norm update running statistics without bumping the
+            # version counter, so every buffer of a called module counts as mutated.
+            mutated |= {f"{n.target}.{name}" for name, _ in self.module.get_submodule(n.target).named_buffers()}
+        mutated = tuple(sorted(mutated))
+        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops), mutated_buffers=mutated)
+        if self.cost_model == "measured":
+            cost = replace(cost, fwd_cost=self._time_node(n))
+        self.costs.append(cost)
+        return out
+
+    def _time_node(self, n: fx.Node) -> float:
+        """Median wall time of the node's forward in milliseconds (autograd recording on)."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        samples = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            getattr(self, n.op)(n.target, args, kwargs)
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    def _node_cost(self, n, out, saved, transient, flops) -> NodeCost:
+        out_bytes, root = 0, n.name
+        for t in _tensors(out):
+            key = _storage_key(t)
+            if key is None:
+                continue
+            if key in self.owner:
+                root = self.owner[key] or root
+            else:
+                self.owner[key] = n.name
+                out_bytes += t.untyped_storage().nbytes()
+        saved_inputs, saves_output, extra = set(), False, 0
+        for key, nbytes in saved.items():
+            who = self.owner.get(key)
+            if who is None:
+                extra += nbytes
+            elif who == n.name:
+                saves_output = True
+            elif who:
+                saved_inputs.add(who)
+        requires_grad = any(t.requires_grad for t in _tensors(out))
+        grad_alias = _grad_alias(out, self._fetch_args(n))
+        param_grad = sum(self.param_keys.get(_storage_key(t), 0) for t in _tensors((n.args, n.kwargs)))
+        if n.op == "call_module":
+            mod = self.module.get_submodule(n.target)
+            param_grad += sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad)
+        moved = sum(t.untyped_storage().nbytes() for t in _tensors((self._fetch_args(n), out)))
+        return NodeCost(
+            name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
+            saves_output=saves_output, extra_bytes=extra, fwd_transient_bytes=transient,
+            grad_bytes=out_bytes if requires_grad else 0, param_grad_bytes=param_grad,
+            fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
+            flops=flops, module=_module_path(n), source=_source_line(n), grad_alias=grad_alias,
+        )
+
+    def _fetch_args(self, n: fx.Node):
+        return tree_map(lambda a: self.env.get(a) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+
+
+_ALIAS_GRAD_FNS = ("CatBackward", "StackBackward", "AddBackward0")
+
+
+def _grad_alias(out, args) -> bool:
+    outs = _tensors(out)
+    if len(outs) != 1 or outs[0].grad_fn is None:
+        return False
+    name = outs[0].grad_fn.name()
+    if not name.startswith(_ALIAS_GRAD_FNS):
+        return False
+    if name.startswith("AddBackward0"):  # broadcasting adds reduce the gradient: a new buffer
+        return all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in _tensors(args))
+    return True
+
+
+def _source_line(n: fx.Node) -> str:
+    trace = n.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
+    return lines[-1] if lines else ""
+
+
+def _scalar_loss(out) -> torch.Tensor | None:
+    parts = [t.float().sum() for t in _tensors(out) if t.requires_grad]
+    return torch.stack(parts).sum() if parts else None
+
+
+def _time_step(gm: fx.GraphModule, inputs, repeats: int) -> float:
+    """Median milliseconds of one plain forward + backward (gradients not accumulated)."""
+    params = [p for p in gm.parameters() if p.requires_grad]
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        loss = _scalar_loss(gm(*inputs))
+        if loss is not None and params:
+            torch.autograd.grad(loss, params, allow_unused=True)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples[1:])
+
+
+@contextlib.contextmanager
+def preserved_state(module: torch.nn.Module):
+    """Restore the module's buffers and the CPU/CUDA RNG state on exit."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> str:
+    """Validate ``cost_model``; on fake tensors "measured" becomes "flops" (with a warning)."""
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"fxremat: cost_model must be one of {COST_MODELS}, got {cost_model!r}")
+    if cost_model == "measured" and (_is_fake(example_inputs) or _is_fake(list(gm.parameters()))):
+        warnings.warn(
+            "fxremat: cost_model='measured' cannot time fake tensors; using cost_model='flops'. "
+            "Pass cost_model='flops' to silence this warning.",
+            stacklevel=4,
+        )
+        return "flops"
+    return cost_model
+
+
+def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured", repeats: int = 3) -> GraphCosts:
+    """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring)."""
+    cost_model = resolve_cost_model(cost_model, example_inputs, gm)
+    with preserved_state(gm), torch.enable_grad():
+        interp = _ProfilingInterpreter(gm, cost_model, repeats)
+        for t in _tensors(example_inputs):
+            interp.owner.setdefault(_storage_key(t), "")
+        interp.run(*example_inputs)
+        costs = tuple(interp.costs)
+        total_fwd = sum(c.fwd_cost for c in costs)
+        if cost_model == "measured":
+            step = _time_step(gm, example_inputs, repeats)
+        else:
+            step = 3.0 * total_fwd  # backward ~ twice the forward
+    unit = {"measured": "ms", "flops": "flop-equivalents", "uniform": "nodes"}[cost_model]
+    log.debug("fxremat: profiled %d nodes (%s), step cost %.3g %s", len(costs), cost_model, step, unit)
+    return GraphCosts(nodes=costs, step_cost=max(step, total_fwd), cost_model=cost_model, cost_unit=unit)

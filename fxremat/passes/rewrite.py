@@ -1,0 +1,109 @@
+"""Emit the recomputing ``GraphModule`` for a schedule: :func:`rewrite`.
+
+Every recomputed segment V_i becomes a submodule ``seg_<i>`` (a GraphModule holding exactly
+V_i's nodes) called as ``recompute(self.seg_<i>, *inputs)`` in the top-level code; the last
+segment's nodes run inline, plainly. Inputs of a segment are the values it reads from earlier
+segments or graph inputs; its outputs are the values later segments or the graph output read.
+The input GraphModule is not modified; submodules, parameters and buffers are shared with it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..runtime import MUTATED_BUFFERS_ATTR, recompute
+
+__all__ = ["rewrite"]
+
+
+def _segment_io(graph: fx.Graph, members: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Values read by ``members`` from outside (in graph order) and values read outside."""
+    inputs, seen = [], set()
+    outputs = []
+    for node in graph.nodes:
+        if node not in members:
+            continue
+        for a in node.all_input_nodes:
+            if a not in members and a.op != "get_attr" and a not in seen:
+                seen.add(a)
+                inputs.append(a)
+        if any(u not in members for u in node.users):
+            outputs.append(node)
+    return inputs, outputs
+
+
+def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, mutated) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = graph.placeholder(a.name)
+    for node in nodes:
+        for a in node.all_input_nodes:
+            if a.op == "get_attr" and a not in env:
+                env[a] = graph.get_attr(a.target)
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
+    graph.lint()
+    seg = fx.GraphModule(gm, graph, "Segment")
+    setattr(seg, MUTATED_BUFFERS_ATTR, tuple(sorted(mutated)))
+    return seg
+
+
+def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]]) -> fx.GraphModule:
+    """Return a new GraphModule running ``gm`` segment by segment (see the module docstring).
+
+    ``segments`` are lists of call-node names in graph order, ``recomputed`` a flag per segment,
+    ``mutated_buffers`` the buffers each node mutates (from profiling).
+    """
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seg_of = {name: i for i, seg in enumerate(segments) for name in seg}
+    top = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    attrs: dict[str, object] = {}
+    done: set[int] = set()
+    for node in gm.graph.nodes:
+        i = seg_of.get(node.name)
+        if i is None or not recomputed[i]:
+            env[node] = _copy_inline(top, node, env, gm, attrs)
+            continue
+        if i in done:
+            continue
+        done.add(i)
+        members = [by_name[name] for name in segments[i]]
+        _emit_segment(top, gm, i, members, env, attrs, mutated_buffers)
+    top.lint()
+    out = fx.GraphModule(attrs, top, "RematGraph")
+    return out
+
+
+def _copy_inline(top: fx.Graph, node: fx.Node, env, gm: fx.GraphModule, attrs) -> fx.Node:
+    if node.op in ("call_module", "get_attr"):
+        attrs[node.target] = _resolve(gm, node.target)
+    return top.node_copy(node, lambda a: env[a])
+
+
+def _resolve(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers) -> None:
+    inputs, outputs = _segment_io(gm.graph, set(members))
+    mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
+    name = f"seg_{i}"
+    attrs[name] = _segment_module(gm, members, inputs, outputs, mutated)
+    fn = top.get_attr(name)
+    call = top.call_function(recompute, (fn, *[env[a] for a in inputs]))
+    call.name = f"{name}_out" if len(outputs) > 1 else outputs[0].name
+    if len(outputs) == 1:
+        env[outputs[0]] = call
+        return
+    for k, o in enumerate(outputs):
+        item = top.call_function(operator.getitem, (call, k))
+        item.name = o.name
+        env[o] = item

@@ -1,0 +1,186 @@
+"""Predict the peak memory of a segmentation as PyTorch executes it.
+
+:func:`simulate` replays one forward + backward over a :class:`~fxremat.graph.CostGraph` with
+PyTorch's liveness rules (Hong et al., ``shared/seeds/004_ac913870907ea453.txt``: a value dies as
+soon as nothing needs it; gradient buffers count):
+
+- forward: a node allocates its output, plus a transient while it runs; a value is freed once its
+  forward consumers ran and nothing holds it. In a plain segment autograd holds what each node
+  saves until that node's backward; in a checkpointed segment only the segment's inputs are held
+  (by the checkpoint) until the segment's backward ends.
+- backward, segments in reverse: a checkpointed segment is first recomputed whole (its saved
+  values held until their node's backward); then nodes in reverse order allocate their inputs'
+  gradients and release their output's gradient and their saved values. Gradient buffers are
+  reference counted: ``cat``/``stack``/same-shape ``add`` hand their inputs views of their own
+  gradient, which lives until the last view dies; a second gradient for the same value is
+  accumulated in place (a transient).
+Graph outputs stay alive throughout (the caller holds the loss); when the backward starts, the
+loss is assumed to need ``graph.loss_bytes`` on top of the outputs' gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import CostGraph
+
+__all__ = ["Schedule", "simulate"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Segments (tuples of node indices, in order) and which of them are recomputed."""
+
+    segments: tuple[tuple[int, ...], ...]
+    recomputed: tuple[bool, ...]
+
+
+class _Grads:
+    """Gradient buffers shared by reference: ``of[v]`` is the buffer holding v's gradient."""
+
+    def __init__(self, mem):
+        self.mem = mem
+        self.of: dict[int, int] = {}
+        self.refs: dict[int, int] = {}
+
+    def give(self, v: int, nbytes: int, share_from: int | None = None) -> None:
+        if v in self.of:  # accumulate into the existing buffer: the incoming one is transient
+            self.mem.note(nbytes)
+            return
+        buf = self.of.get(share_from) if share_from is not None else None
+        if buf is None:
+            buf = len(self.refs)
+            self.refs[buf] = 0
+            self.mem.alloc(("g", buf), nbytes)
+        self.refs[buf] += 1
+        self.of[v] = buf
+
+    def drop(self, v: int) -> None:
+        buf = self.of.get(v)
+        if buf is None:
+            return
+        self.refs[buf] -= 1
+        if self.refs[buf] == 0:
+            self.mem.free(("g", buf))
+
+
+class _Memory:
+    """Live bytes keyed by value ("f", v) forward copy, ("r", v) recomputed copy, ("g", v) grad."""
+
+    def __init__(self):
+        self.live: dict = {}
+        self.total = 0
+        self.peak = 0
+        self.timeline: list[int] = []
+
+    def alloc(self, key, nbytes: int, transient: int = 0) -> None:
+        if key not in self.live:
+            self.live[key] = nbytes
+            self.total += nbytes
+        self.note(transient)
+
+    def free(self, key) -> None:
+        self.total -= self.live.pop(key, 0)
+
+    def note(self, transient: int = 0) -> None:
+        self.peak = max(self.peak, self.total + transient)
+        self.timeline.append(self.total + transient)
+
+
+def _holders(graph: CostGraph, schedule: Schedule):
+    """For every owner: the set of forward consumers (through views) and of backward holders."""
+    seg_of = {v: i for i, seg in enumerate(schedule.segments) for v in seg}
+    uses = {v: set() for v in range(graph.n)}
+    for v in range(graph.n):
+        for p in graph.preds[v]:
+            uses[graph.root[p]].add(v)
+    holds = {v: set() for v in range(graph.n)}
+    for v in range(graph.n):
+        s = seg_of[v]
+        if not schedule.recomputed[s]:
+            for o in graph.saved[v]:
+                holds[o].add(("node", v))
+        for p in graph.preds[v]:
+            r = graph.root[p]
+            if seg_of[r] != s and schedule.recomputed[s]:
+                holds[r].add(("segment", s))
+    return seg_of, uses, holds
+
+
+def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
+    """Return the predicted peak bytes (and the memory timeline if ``timeline``)."""
+    seg_of, uses, holds = _holders(graph, schedule)
+    mem = _Memory()
+    pending = {v: set(u) for v, u in uses.items()}
+    outputs = {graph.root[v] for v in range(graph.n) if graph.is_output[v]}
+
+    def maybe_free(r, copy="f"):
+        if not pending[r] and not holds[r] and r not in outputs:
+            mem.free((copy, r))
+
+    for seg, rec in zip(schedule.segments, schedule.recomputed):
+        for v in seg:
+            mem.alloc(("f", v), graph.out_bytes[v], graph.transient_bytes[v])
+            if not rec:
+                mem.alloc(("x", v), graph.extra_bytes[v])
+            for r in {graph.root[p] for p in graph.preds[v]}:
+                pending[r].discard(v)
+                maybe_free(r)
+            maybe_free(v)
+    grads = _Grads(mem)
+    for v in range(graph.n):
+        if graph.is_output[v] and graph.grad_bytes[v]:
+            grads.give(v, graph.grad_bytes[v])
+    mem.note(graph.loss_bytes)
+    for s in reversed(range(len(schedule.segments))):
+        _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs)
+    return (mem.peak, mem.timeline) if timeline else mem.peak
+
+
+def _recompute(graph: CostGraph, seg, mem: _Memory) -> set:
+    """Re-run a checkpointed segment; return the recomputed owners it keeps for its backward."""
+    members = set(seg)
+    kept = {o for v in seg for o in graph.saved[v] if o in members}
+    needed = {v: {u for u in graph.succs[v] if u in members} for v in seg}
+    for v in seg:
+        mem.alloc(("r", v), graph.out_bytes[v], graph.transient_bytes[v])
+        mem.alloc(("x", v), graph.extra_bytes[v])
+        for p in graph.preds[v]:
+            r = graph.root[p]
+            if r in members:
+                needed[p].discard(v)
+                if not needed[p] and r not in kept:
+                    mem.free(("r", r))
+        if not needed[v] and v not in kept:
+            mem.free(("r", v))
+    return kept
+
+
+def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -> None:
+    seg = schedule.segments[s]
+    kept = _recompute(graph, seg, mem) if schedule.recomputed[s] else set()
+    saved_by = {}
+    for v in seg:
+        for o in graph.saved[v]:
+            saved_by.setdefault(o, set()).add(v)
+    for v in reversed(seg):
+        share = v if graph.grad_alias[v] else None
+        for p in graph.preds[v]:
+            if graph.grad_bytes[p] and v in grads.of:
+                grads.give(p, graph.grad_bytes[p], share)
+        mem.note(graph.transient_bytes[v])
+        grads.drop(v)
+        mem.free(("x", v))
+        for o in graph.saved[v]:
+            holds[o].discard(("node", v))
+            if o in kept:
+                saved_by[o].discard(v)
+                if not saved_by[o]:
+                    mem.free(("r", o))
+            if not pending[o] and not holds[o] and o not in outputs:
+                mem.free(("f", o))
+    for r in range(graph.n):
+        if ("segment", s) in holds[r]:
+            holds[r].discard(("segment", s))
+            if not pending[r] and not holds[r] and r not in outputs:
+                mem.free(("f", r))
