@@ -7,14 +7,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, fields
 
 import networkx as nx
 import torch.fx as fx
 
 from .passes.profile import CALL_OPS, GraphCosts
 
-__all__ = ["CostGraph", "build_graph", "to_networkx", "TIME_RESOLUTION", "LOSS_OUTPUT_COPIES"]
+__all__ = ["CostGraph", "build_graph", "to_networkx", "save_graph", "load_graph", "TIME_RESOLUTION",
+           "LOSS_OUTPUT_COPIES"]
 
 # Forward costs are scaled to integers summing to about this many units, so that solvers work
 # on exact integer arithmetic (identical answers from the Python and Cython kernels).
@@ -29,7 +31,9 @@ class CostGraph:
     ``root[v]`` is the node owning the storage ``v``'s output lives in (``v`` itself unless it
     is a view); ``saved[v]`` the owners of the storages autograd saves for ``v``'s backward
     (``v`` included when it saves its own output). ``grad_alias[v]``: its backward passes views
-    of its output's gradient to its inputs instead of new buffers. ``time[v] * time_unit`` is its forward cost
+    of its output's gradient to its inputs instead of new buffers. ``anchor[v]`` ties a view or
+    a non-tensor node to the group of its latest predecessor: lower sets contain both or
+    neither (see :mod:`fxremat.lowersets`). ``time[v] * time_unit`` is its forward cost
     in ``cost_unit``; ``step_cost`` is one plain forward + backward in the same unit.
     ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
     backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
@@ -51,6 +55,7 @@ class CostGraph:
     step_cost: float
     cost_unit: str
     loss_bytes: int = 0
+    anchor: tuple[int, ...] = ()
     grad_alias: tuple[bool, ...] = ()
 
     @property
@@ -108,8 +113,18 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,
         grad_alias=tuple(c.grad_alias for c in node_costs),
+        anchor=_anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
         loss_bytes=LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
     )
+
+
+def _anchors(preds, owns_storage) -> tuple[int, ...]:
+    """Tie every node that owns no storage (views, ints, sizes) to the latest group head among
+    its predecessors. Heads precede their members, so the quotient DAG stays acyclic."""
+    head: list[int] = []
+    for v, ps in enumerate(preds):
+        head.append(v if owns_storage[v] or not ps else max(head[p] for p in ps))
+    return tuple(head)
 
 
 def to_networkx(graph: CostGraph) -> nx.DiGraph:
@@ -119,3 +134,22 @@ def to_networkx(graph: CostGraph) -> nx.DiGraph:
         g.add_node(v, name=name, time=graph.time[v], out_bytes=graph.out_bytes[v])
     g.add_edges_from((p, v) for v, ps in enumerate(graph.preds) for p in ps)
     return g
+
+
+def save_graph(graph: CostGraph, path) -> None:
+    """Write ``graph`` as JSON (a fixture that needs neither torch nor the model to load)."""
+    with open(path, "w") as f:
+        json.dump(asdict(graph), f)
+
+
+def load_graph(path) -> CostGraph:
+    """Read a graph written by :func:`save_graph`."""
+    with open(path) as f:
+        data = json.load(f)
+    known = {f.name for f in fields(CostGraph)}
+    unknown = set(data) - known
+    if unknown:
+        raise ValueError(f"fxremat.graph.load_graph: {path} has unknown fields {sorted(unknown)}")
+    nested = {"preds", "succs", "saved"}
+    return CostGraph(**{k: tuple(tuple(x) for x in v) if k in nested else tuple(v) if isinstance(v, list) else v
+                        for k, v in data.items()})

@@ -56,8 +56,8 @@ def _family(graph: CostGraph, strategy: str, cap: int):
     if strategy not in STRATEGIES:
         raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
     if strategy == "approx":
-        return pruned_family(graph.preds), "approx"
-    family = all_lower_sets(graph.preds, cap=cap)
+        return pruned_family(graph.preds, anchor=graph.anchor), "approx"
+    family = all_lower_sets(graph.preds, cap=cap, anchor=graph.anchor)
     if family is not None:
         return family, "exact"
     if strategy == "exact":
@@ -66,7 +66,7 @@ def _family(graph: CostGraph, strategy: str, cap: int):
             f"({graph.n} nodes); raise exact_cap= or use strategy='approx' or 'auto'"
         )
     log.info("fxremat: more than %d lower sets; using the approximate DP", cap)
-    return pruned_family(graph.preds), "approx"
+    return pruned_family(graph.preds, anchor=graph.anchor), "approx"
 
 
 def _schedule(lower_sets) -> Schedule:

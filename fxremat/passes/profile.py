@@ -61,6 +61,7 @@ class NodeCost:
     source: str
     mutated_buffers: tuple[str, ...] = ()
     grad_alias: bool = False
+    tensor_output: bool = True
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             grad_bytes=out_bytes if requires_grad else 0, param_grad_bytes=param_grad,
             fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
             flops=flops, module=_module_path(n), source=_source_line(n), grad_alias=grad_alias,
+            tensor_output=bool(_tensors(out)),
         )
 
     def _fetch_args(self, n: fx.Node):
