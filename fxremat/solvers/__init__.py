@@ -1,0 +1,1 @@
+"""Solvers: each takes plain numbers (a CostGraph or chain costs) and returns a schedule."""
