@@ -12,6 +12,11 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _mib_gib(n: int) -> str:
+    mib = f"{n / 2**20:.2f} MiB"
+    return f"{mib} = {n / 2**30:.2f} GiB" if n >= 2**30 else mib
+
+
 class InfeasibleBudgetError(ValueError):
     """The budget is below the smallest peak any recomputation plan reaches.
 
@@ -22,8 +27,8 @@ class InfeasibleBudgetError(ValueError):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
         super().__init__(
-            f"fxremat: budget {budget_bytes} bytes ({format_bytes(budget_bytes)}) is below the "
-            f"smallest feasible peak {min_feasible_bytes} bytes ({format_bytes(min_feasible_bytes)}) "
+            f"fxremat: budget {budget_bytes} bytes ({_mib_gib(budget_bytes)}) is below the "
+            f"smallest feasible peak {min_feasible_bytes} bytes ({_mib_gib(min_feasible_bytes)}) "
             "for this model and input; raise the budget or use budget='min'"
         )
 

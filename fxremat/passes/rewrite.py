@@ -45,6 +45,7 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, m
             if a.op == "get_attr" and a not in env:
                 env[a] = graph.get_attr(a.target)
         env[node] = graph.node_copy(node, lambda a: env[a])
+    # A segment whose values nothing reads still runs (for its side effects) and returns ().
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     graph.lint()
     seg = fx.GraphModule(gm, graph, "Segment")
@@ -55,32 +56,36 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, m
 def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]]) -> fx.GraphModule:
     """Return a new GraphModule running ``gm`` segment by segment (see the module docstring).
 
-    ``segments`` are lists of call-node names in graph order, ``recomputed`` a flag per segment,
+    ``segments`` are lists of call-node names in graph order, given in the order of the lower
+    sets (so every segment only reads earlier segments); ``recomputed`` is a flag per segment,
     ``mutated_buffers`` the buffers each node mutates (from profiling).
     """
     by_name = {n.name: n for n in gm.graph.nodes}
-    seg_of = {name: i for i, seg in enumerate(segments) for name in seg}
     top = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, object] = {}
-    done: set[int] = set()
     for node in gm.graph.nodes:
-        i = seg_of.get(node.name)
-        if i is None or not recomputed[i]:
+        if node.op == "placeholder":
+            env[node] = top.node_copy(node)
+    for i, (names, rec) in enumerate(zip(segments, recomputed)):
+        members = [by_name[name] for name in names]
+        if rec:
+            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers)
+            continue
+        for node in members:
             env[node] = _copy_inline(top, node, env, gm, attrs)
-            continue
-        if i in done:
-            continue
-        done.add(i)
-        members = [by_name[name] for name in segments[i]]
-        _emit_segment(top, gm, i, members, env, attrs, mutated_buffers)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    _copy_inline(top, out, env, gm, attrs)
     top.lint()
-    out = fx.GraphModule(attrs, top, "RematGraph")
-    return out
+    return fx.GraphModule(attrs, top, "RematGraph")
 
 
 def _copy_inline(top: fx.Graph, node: fx.Node, env, gm: fx.GraphModule, attrs) -> fx.Node:
-    if node.op in ("call_module", "get_attr"):
+    for a in node.all_input_nodes:
+        if a.op == "get_attr" and a not in env:
+            attrs[a.target] = _resolve(gm, a.target)
+            env[a] = top.node_copy(a)
+    if node.op == "call_module":
         attrs[node.target] = _resolve(gm, node.target)
     return top.node_copy(node, lambda a: env[a])
 
@@ -99,7 +104,7 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers) -> None:
     attrs[name] = _segment_module(gm, members, inputs, outputs, mutated)
     fn = top.get_attr(name)
     call = top.call_function(recompute, (fn, *[env[a] for a in inputs]))
-    call.name = f"{name}_out" if len(outputs) > 1 else outputs[0].name
+    call.name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
     if len(outputs) == 1:
         env[outputs[0]] = call
         return

@@ -1,0 +1,54 @@
+"""Bad input gets a clear error naming the value and the fix, and nothing half-done."""
+
+import math
+
+import pytest
+import torch
+
+import fxremat
+from _models import small_unet
+
+X = torch.randn(2, 3, 32, 32)
+
+
+def test_infeasible_budget_reports_the_minimum_which_is_feasible():
+    model = small_unet()
+    with pytest.raises(fxremat.InfeasibleBudgetError) as info:
+        fxremat.plan(model, 1024, example_inputs=(X,), cost_model="flops")
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert str(err.min_feasible_bytes) in str(err) and "budget='min'" in str(err) and "MiB" in str(err)
+    at_min = fxremat.plan(model, err.min_feasible_bytes, example_inputs=(X,), cost_model="flops")
+    assert at_min.predicted_peak_bytes <= err.min_feasible_bytes
+    least = fxremat.plan(model, "min", example_inputs=(X,), cost_model="flops")
+    assert least.predicted_peak_bytes == err.min_feasible_bytes
+
+
+@pytest.mark.parametrize("budget, exc", [(-5, ValueError), (0, ValueError), (math.nan, ValueError), (1.5, ValueError),
+                                         ("3 furlongs", ValueError), (None, TypeError), ([1], TypeError)])
+def test_bad_budgets(budget, exc):
+    with pytest.raises(exc, match="budget"):
+        fxremat.compile(small_unet(), budget, example_inputs=(X,))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"strategy": "greedy"}, "strategy must be one of"),
+    ({"cost_model": "vibes"}, "cost_model must be one of"),
+    ({"max_plans": 0}, "max_plans"),
+    ({"bogus_option": 1}, "unknown option"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        fxremat.compile(small_unet(), 0.5, example_inputs=(X,), **kwargs)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        fxremat.compile(lambda x: x, 0.5)
+
+
+def test_exact_over_the_cap_says_what_to_do():
+    with pytest.raises(ValueError, match="exact_cap=.*strategy='approx'"):
+        fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="exact", exact_cap=3)
+    plan = fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="auto", exact_cap=3)
+    assert plan.strategy == "approx"

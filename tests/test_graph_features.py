@@ -1,0 +1,137 @@
+"""Odd graph shapes compile exactly: several inputs, kwargs, tuple/dict outputs, shared
+submodules, in-place ops at segment boundaries, untraceable submodules."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxremat
+from _models import assert_same_state, pair
+
+
+def _block(c):
+    return nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(inplace=True))
+
+
+class MultiIO(nn.Module):
+    """Two inputs, a kwarg with a default, a shared block called twice, dict + tuple outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.shared = _block(4), _block(4), _block(4)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, y, scale: float = 2.0):
+        h = self.shared(self.a(x))
+        g = self.shared(self.b(y))
+        h = h + scale * g
+        h += g  # in-place add on a value that crosses segments
+        h = self.drop(h).relu_()
+        return {"main": h, "aux": (g.mean(dim=(2, 3)), h.sum(dim=1))}
+
+
+def _loss(out):
+    return out["main"].pow(2).mean() + out["aux"][0].sum() + out["aux"][1].abs().mean()
+
+
+@pytest.mark.parametrize("budget", ["min", 0.6])
+def test_multi_input_kwargs_dict_outputs_shared_module(budget):
+    torch.manual_seed(0)
+    plain, model = pair(MultiIO())
+    x, y = torch.randn(2, 4, 16, 16), torch.randn(2, 4, 16, 16)
+    compiled = fxremat.compile(model, budget, example_inputs=(x, y), cost_model="flops")
+    assert sum(s.recomputed for s in compiled.plan.segments) >= 1
+    for step in range(2):
+        for m in (plain, compiled):
+            torch.manual_seed(step)
+            out = m(x, y, scale=0.5) if step else m(x, y)
+            _loss(out).backward()
+        assert_same_state(plain, compiled)
+
+
+class Residual(nn.Module):
+    """torchvision-style residual blocks: ReLU(inplace=True) and `out += identity`."""
+
+    def __init__(self, c=8, n=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c),
+                                                  nn.ReLU(inplace=True), nn.Conv2d(c, c, 3, padding=1))
+                                    for _ in range(n))
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.stem(x))
+        for block in self.blocks:
+            identity = out
+            out = block(out)
+            out += identity
+            out = self.relu(out)
+        return F.adaptive_avg_pool2d(out, 1).flatten(1)
+
+
+def test_inplace_ops_at_every_boundary():
+    torch.manual_seed(0)
+    plain, model = pair(Residual())
+    x = torch.randn(2, 3, 16, 16)
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="uniform")
+    assert sum(s.recomputed for s in compiled.plan.segments) >= 3
+    for m in (plain, compiled):
+        m(x).sum().backward()
+    assert_same_state(plain, compiled)
+
+
+class DataDependent(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent Python control flow: torch.fx cannot trace this
+            return x * 2
+        return x - 1
+
+
+class WithUntraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.odd, self.lin2 = nn.Linear(8, 8), DataDependent(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin2(self.odd(torch.tanh(self.lin1(x))))
+
+
+def test_untraceable_submodule_becomes_a_leaf_with_a_warning():
+    torch.manual_seed(0)
+    plain, model = pair(WithUntraceable())
+    x = torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="'odd'.*leaf_modules"):
+        compiled = fxremat.compile(model, 0.9, example_inputs=(x,), cost_model="flops")
+    assert "odd" in compiled.graph_module.code
+    for m in (plain, compiled):
+        m(x).sum().backward()
+    assert_same_state(plain, compiled)
+
+
+def test_untraceable_top_level_raises_trace_error():
+    with pytest.raises(fxremat.TraceError, match="top-level module"):
+        fxremat.compile(DataDependent(), 0.5, example_inputs=(torch.randn(3),))
+
+
+def test_leaf_modules_by_class_and_name():
+    model = WithUntraceable()
+    x = torch.randn(4, 8)
+    for leaf in (DataDependent, "odd"):
+        compiled = fxremat.compile(model, 1.0, example_inputs=(x,), cost_model="flops", leaf_modules=(leaf,))
+        assert "self.odd(" in compiled.graph_module.code
+    with pytest.raises(TypeError, match="leaf_modules"):
+        fxremat.compile(model, 1.0, leaf_modules=(3,))
+
+
+def test_emitted_code_shows_recomputed_segments():
+    model = Residual()
+    compiled = fxremat.compile(model, "min", example_inputs=(torch.randn(2, 3, 16, 16),), cost_model="uniform")
+    code = compiled.code
+    recomputed = [i for i, s in enumerate(compiled.plan.segments) if s.recomputed]
+    for i in recomputed:
+        assert f"# seg_{i}: recomputed during the backward" in code
+        assert f"recompute(seg_{i}" in code
+    table = compiled.plan.summary()
+    assert "recompute" in table and "predicted peak" in table
