@@ -8,8 +8,10 @@
 - ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after;
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
   (``cat``, ``stack``, same-shape ``add``) instead of new buffers;
-- its forward cost: median wall time over repeats (``"measured"``), FLOPs plus a memory-traffic
-  term (``"flops"``, works under ``FakeTensorMode``) or 1 (``"uniform"``).
+- its forward and backward cost: median wall time over repeats (``"measured"``; the backward
+  of a node is the time from its output's ``grad_fn`` starting to the next node's starting),
+  FLOPs plus a memory-traffic term (``"flops"``, works under ``FakeTensorMode``; backward twice
+  the forward) or 1 and 2 (``"uniform"``).
 Parameters, buffers and graph inputs are outside the budget and are never attributed to nodes.
 Buffers and the RNG state are restored afterwards, so profiling leaves the model untouched.
 """
@@ -62,6 +64,7 @@ class NodeCost:
     mutated_buffers: tuple[str, ...] = ()
     grad_alias: bool = False
     tensor_output: bool = True
+    bwd_cost: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,33 @@ def _scalar_loss(out) -> torch.Tensor | None:
     return torch.stack(parts).sum() if parts else None
 
 
+def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, float]:
+    """Median backward milliseconds per call node, from pre-hooks on the outputs' grad_fns."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = _scalar_loss(tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, out_node.args[0]))
+    params = [p for p in gm.parameters() if p.requires_grad]
+    if loss is None or not params:
+        return {}
+    events: list[tuple[float, str | None]] = []
+    handles = []
+    for node, value in env.items():
+        fns = {t.grad_fn for t in _tensors(value) if t.grad_fn is not None}
+        for fn in fns if node.op in CALL_OPS else ():
+            handles.append(fn.register_prehook(lambda _g, name=node.name: events.append((time.perf_counter(), name))))
+    samples: dict[str, list[float]] = {}
+    try:
+        for _ in range(repeats):
+            events.clear()
+            torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            events.append((time.perf_counter(), None))
+            for (t0, name), (t1, _) in zip(events, events[1:]):
+                samples.setdefault(name, []).append((t1 - t0) * 1e3)
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def _time_step(gm: fx.GraphModule, inputs, repeats: int) -> float:
     """Median milliseconds of one plain forward + backward (gradients not accumulated)."""
     params = [p for p in gm.parameters() if p.requires_grad]
@@ -288,6 +318,11 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             interp.owner.setdefault(_storage_key(t), "")
         interp.run(*example_inputs)
         costs = tuple(interp.costs)
+        if cost_model == "measured":
+            bwd = _time_backward(gm, interp.env, repeats)
+            costs = tuple(replace(c, bwd_cost=bwd.get(c.name, 0.0)) for c in costs)
+        else:
+            costs = tuple(replace(c, bwd_cost=2.0 * c.fwd_cost) for c in costs)
         total_fwd = sum(c.fwd_cost for c in costs)
         if cost_model == "measured":
             step = _time_step(gm, example_inputs, repeats)
