@@ -6,8 +6,10 @@
   by storage: the producers of saved inputs, whether it saves its own output, and
   ``extra_bytes`` of buffers that alias nothing (dropout masks, pooling indices, BN statistics);
 - ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after;
+- ``grad_bytes``: the size of its output's gradient (the tensor's size, views included);
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
-  (``cat``, ``stack``, same-shape ``add``) instead of new buffers;
+  (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
+  buffers (``narrow``/``slice`` allocate their input's size);
 - its forward and backward cost: median wall time over repeats (``"measured"``; the backward
   of a node is the time from its output's ``grad_fn`` starting to the next node's starting),
   FLOPs plus a memory-traffic term (``"flops"``, works under ``FakeTensorMode``; backward twice
@@ -202,7 +204,8 @@ class _ProfilingInterpreter(fx.Interpreter):
         return NodeCost(
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
             saves_output=saves_output, extra_bytes=extra, fwd_transient_bytes=transient,
-            grad_bytes=out_bytes if requires_grad else 0, param_grad_bytes=param_grad,
+            grad_bytes=sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad),
+            param_grad_bytes=param_grad,
             fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
             flops=flops, module=_module_path(n), source=_source_line(n), grad_alias=grad_alias,
             tensor_output=bool(_tensors(out)),
@@ -212,7 +215,12 @@ class _ProfilingInterpreter(fx.Interpreter):
         return tree_map(lambda a: self.env.get(a) if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
 
 
-_ALIAS_GRAD_FNS = ("CatBackward", "StackBackward", "AddBackward0")
+# Backward functions that hand their inputs views of the incoming gradient (no new buffer).
+_ALIAS_GRAD_FNS = (
+    "CatBackward", "StackBackward", "AddBackward0", "ViewBackward", "ReshapeAliasBackward",
+    "UnsafeViewBackward", "PermuteBackward", "TransposeBackward", "TBackward", "SqueezeBackward",
+    "UnsqueezeBackward", "AliasBackward",
+)
 
 
 def _grad_alias(out, args) -> bool:

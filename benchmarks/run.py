@@ -1,0 +1,282 @@
+"""Side-by-side benchmarks: ``python -m benchmarks.run [--quick|--full] [--out DIR]``.
+
+Two scales, every row measured the same way in the same run:
+
+1. Paper scale, memory only, on fake tensors (Kusumoto et al. Table 1 settings): plain PyTorch,
+   hand-placed per-block checkpoints, fxremat at ``budget="min"`` (auto and approximate DP); the
+   peaks are measured with :func:`fxremat.measure_peak` while the models really run forward and
+   backward on fake tensors. The paper's numbers are printed beside them.
+2. Real steps on this machine (small inputs): step time vs measured peak for plain, hand
+   per-block checkpoints, ``checkpoint_sequential`` (chain nets, every segment count from 2 to
+   2√L) and fxremat at several budgets. Step times are medians of interleaved repeats, reported
+   as ratios to plain measured in the same loop.
+
+Writes ``paper_scale.md``, ``cpu_tradeoff.md`` and ``cpu_tradeoff_<net>.png`` (with matplotlib)
+into ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fxremat
+
+from .baselines import SequentialCheckpoint, checkpoint_blocks
+from .nets import resnet_chain
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import pspnet  # noqa: E402
+import unet  # noqa: E402
+
+GIB, MIB = 2**30, 2**20
+# Kusumoto et al. Table 1 (GB, parameters included): vanilla, best of their DP columns, Chen's.
+PAPER = {
+    "pspnet": (9.4, 2.7, 4.0), "unet": (9.1, 4.7, 7.4), "resnet50": (8.9, 3.4, 3.7),
+    "resnet152": (9.2, 2.3, 2.4), "vgg19": (7.0, 4.5, 4.7), "densenet161": (8.5, 1.6, 1.8),
+    "googlenet": (8.5, 5.2, 6.5),
+}
+
+
+def loss_of(out):
+    out = out.logits if hasattr(out, "logits") else out
+    target = torch.zeros(out.shape[0], *out.shape[2:], dtype=torch.long, device=out.device)
+    return F.cross_entropy(out, target)
+
+
+def with_grads(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return model
+
+
+def step(model, x):
+    """One training step written the usual way: the output is held until the step ends."""
+    out = model(x)
+    loss_of(out).backward()
+    return out
+
+
+def _torchvision(name, **kwargs):
+    import torchvision
+
+    return lambda: getattr(torchvision.models, name)(**kwargs)
+
+
+def paper_nets(include_zoo: bool):
+    nets = [("unet", lambda: unet.build_model("paper"), unet.PAPER_INPUT),
+            ("pspnet", lambda: pspnet.build_model("paper"), pspnet.PAPER_INPUT)]
+    if not include_zoo:
+        return nets
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        print("torchvision not installed: paper-scale rows for the torchvision nets are skipped")
+        return nets
+    return nets + [
+        ("resnet50", _torchvision("resnet50"), (96, 3, 224, 224)),
+        ("resnet152", _torchvision("resnet152"), (48, 3, 224, 224)),
+        ("vgg19", _torchvision("vgg19"), (64, 3, 224, 224)),
+        ("densenet161", _torchvision("densenet161"), (32, 3, 224, 224)),
+        ("googlenet", _torchvision("googlenet", aux_logits=False, init_weights=False), (256, 3, 224, 224)),
+    ]
+
+
+def _fake_peak(model, x) -> int:
+    with_grads(model)
+    return fxremat.measure_peak(step, model, x)[1]
+
+
+def paper_row(name, build, shape) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    row = {"net": name, "input": "x".join(map(str, shape))}
+    with FakeTensorMode():
+        x = torch.randn(*shape)
+        model = build()
+        row["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+        row["plain"] = _fake_peak(model, x)
+        hand = build()
+        row["hand_blocks"] = checkpoint_blocks(hand, extra=_hand_extra(name, hand))
+        row["hand"] = _fake_peak(hand, x)
+        for key, strategy in (("auto", "auto"), ("approx", "approx")):
+            start = time.perf_counter()
+            compiled = fxremat.compile(build(), "min", example_inputs=(x,), cost_model="flops", strategy=strategy,
+                                       exact_cap=50_000)
+            row[f"{key}_compile_s"] = time.perf_counter() - start
+            row[key] = _fake_peak(compiled, x)
+            row[f"{key}_plan"] = compiled.plan
+    return row
+
+
+def _hand_extra(name, model):
+    """Blocks that are not classes of their own: U-Net's conv pairs (one per level)."""
+    if name == "unet":
+        return tuple(f"down.{i}" for i in range(len(model.down))) + ("bottleneck",)
+    return ()
+
+
+def _red(value, base) -> str:
+    return f"{value / GIB:.2f} ({100 * (value / base - 1):+.0f}%)"
+
+
+def paper_table(rows) -> str:
+    head = ("| net | input | plain act. GiB | hand per-block GiB | fxremat min GiB (strategy) | "
+            "fxremat approx min GiB | predicted vs measured | solve s | paper vanilla → best GB (Chen) | "
+            "ours with params+grads GiB |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        plan = r["auto_plan"]
+        err = 100 * (plan.predicted_peak_bytes / r["auto"] - 1)
+        vanilla, best, chen = PAPER.get(r["net"], (None, None, None))
+        paper = f"{vanilla} → {best} ({100 * (best / vanilla - 1):+.0f}%), Chen {chen}" if vanilla else "n/a"
+        total = r["auto"] + 2 * r["param_bytes"]
+        total_base = r["plain"] + 2 * r["param_bytes"]
+        lines.append(
+            f"| {r['net']} | {r['input']} | {r['plain'] / GIB:.2f} | {_red(r['hand'], r['plain'])} "
+            f"[{r['hand_blocks']} blocks] | {_red(r['auto'], r['plain'])} ({plan.strategy}, "
+            f"{plan.num_lower_sets} sets) | {_red(r['approx'], r['plain'])} | {err:+.1f}% | "
+            f"{plan.solve_seconds:.2f} | {paper} | {_red(total, total_base)} |"
+        )
+    return "\n".join(lines)
+
+
+def cpu_nets(full: bool):
+    scale = 2 if full else 1
+    return [
+        ("unet", unet.build_model, (4, 3, 128 * scale, 128 * scale), False),  # noqa: E501
+        ("pspnet", pspnet.build_model, (4, 3, 96 * scale, 96 * scale), False),
+        ("resnet_chain", lambda size="small": resnet_chain(depth=12 * scale), (8, 3, 64, 64), True),
+    ]
+
+
+def _variants(name, build, x, chain: bool, budgets):
+    torch.manual_seed(0)
+    base = build("small")
+    variants = [("plain", "plain", copy.deepcopy(base))]
+    hand = copy.deepcopy(base)
+    checkpoint_blocks(hand)
+    variants.append(("hand per-block", "hand", hand))
+    if chain:
+        for k in SequentialCheckpoint.segment_counts(len(base)):
+            variants.append((f"sequential {k}", "sequential", SequentialCheckpoint(copy.deepcopy(base), k)))
+    for budget in budgets:
+        compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
+        variants.append((f"fxremat {budget}", "fxremat", compiled))
+    return variants
+
+
+def _time(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def cpu_rows(name, build, shape, chain, budgets, repeats):
+    x = torch.randn(*shape)
+    variants = _variants(name, build, x, chain, budgets)
+    peaks, times = {}, {label: [] for label, _, _ in variants}
+    for label, _, model in variants:
+        with_grads(model)
+        step(model, x)  # warm-up
+        peaks[label] = fxremat.measure_peak(step, model, x)[1]
+    for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
+        for label, _, model in variants:
+            times[label].append(_time(step, model, x))
+    plain_t = statistics.median(times["plain"])
+    rows = []
+    for label, family, model in variants:
+        plan = getattr(model, "plan", None) if isinstance(model, fxremat.RematModule) else None
+        rows.append({"net": name, "variant": label, "family": family, "peak": peaks[label],
+                     "ratio": statistics.median(times[label]) / plain_t, "plan": plan,
+                     "plain_peak": peaks["plain"], "step_s": statistics.median(times[label])})
+    return rows
+
+
+def cpu_table(rows) -> str:
+    lines = ["| net | variant | measured peak MiB | vs plain | step time / plain | predicted peak (err) | "
+             "predicted overhead | solve s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        plan = r["plan"]
+        pred = (f"{plan.predicted_peak_bytes / MIB:.1f} ({100 * (plan.predicted_peak_bytes / r['peak'] - 1):+.1f}%)"
+                if plan else "")
+        extra = f"{100 * plan.predicted_overhead:.0f}% | {plan.solve_seconds:.3f}" if plan else " | "
+        lines.append(f"| {r['net']} | {r['variant']} | {r['peak'] / MIB:.1f} | "
+                     f"{100 * (r['peak'] / r['plain_peak'] - 1):+.0f}% | {r['ratio']:.3f} | {pred} | {extra} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install matplotlib): no plot written")
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for family, style in (("fxremat", "o-"), ("sequential", "s--"), ("hand", "^"), ("plain", "*")):
+        pts = sorted((r["peak"] / MIB, r["ratio"]) for r in rows if r["family"] == family)
+        if pts:
+            ax.plot(*zip(*pts), style, label=family, markersize=9 if family == "plain" else 6)
+    ax.set_xlabel("measured peak (MiB)")
+    ax.set_ylabel("step time / plain")
+    ax.set_title(f"{rows[0]['net']}: memory vs time (CPU, median of interleaved steps)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _environment(args) -> str:
+    return (f"Command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`  \n"
+            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
+            f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores (default)")
+    mode.add_argument("--full", action="store_true", help="torchvision nets at paper scale, larger CPU inputs")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--only", choices=("paper", "cpu"), help="run one of the two scales")
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment(args)
+    if args.only in (None, "paper"):
+        rows = [paper_row(*net) for net in paper_nets(include_zoo=args.full)]
+        text = f"# Paper scale (fake tensors)\n\n{env}\n\n{paper_table(rows)}\n"
+        (out / "paper_scale.md").write_text(text)
+        print(text)
+    if args.only in (None, "cpu"):
+        budgets = ["min", 0.3, 0.5, 0.7] if not args.full else ["min", 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85]
+        repeats = 7 if not args.full else 15
+        all_rows = []
+        for name, build, shape, chain in cpu_nets(args.full):
+            rows = cpu_rows(name, build, shape, chain, budgets, repeats)
+            plot(rows, out / f"cpu_tradeoff_{name}.png")
+            all_rows += rows
+        text = f"# Real steps on CPU\n\n{env}\n\n{cpu_table(all_rows)}\n"
+        (out / "cpu_tradeoff.md").write_text(text)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
