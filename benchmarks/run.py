@@ -172,7 +172,11 @@ def _variants(name, build, x, chain: bool, budgets):
         for k in SequentialCheckpoint.segment_counts(len(base)):
             variants.append((f"sequential {k}", "sequential", SequentialCheckpoint(copy.deepcopy(base), k)))
     for budget in budgets:
-        compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
+        try:
+            compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
+        except fxremat.InfeasibleBudgetError as err:
+            print(f"{name}: budget {budget} infeasible (min {err.min_feasible_bytes / MIB:.1f} MiB), row skipped")
+            continue
         variants.append((f"fxremat {budget}", "fxremat", compiled))
     return variants
 
