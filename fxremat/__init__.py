@@ -8,6 +8,8 @@ from .api import RematModule, compile, plan
 from .errors import InfeasibleBudgetError, TraceError
 from .measure import measure_peak
 from .plan import Plan, Segment
+from .views import load_plan
 
-__all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "TraceError"]
+__all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "TraceError",
+           "load_plan"]
 __version__ = "0.1.0"

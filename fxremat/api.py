@@ -26,6 +26,8 @@ from .passes.rewrite import rewrite
 from .passes.trace import trace
 from .plan import Plan, Segment
 from .planner import DEFAULT_EXACT_CAP, Choice, choose
+from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
+from .views import graph_key, node_infos, predicted_timeline
 
 __all__ = ["compile", "plan", "RematModule"]
 
@@ -65,7 +67,9 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def _plan_from(graph: CostGraph, choice: Choice, cost_model: str) -> Plan:
+def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), key: str = "") -> Plan:
+    """The Plan of ``choice``; ``nodes`` (:func:`fxremat.views.node_infos`) and ``key``
+    (:func:`fxremat.views.graph_key`) feed :meth:`Plan.explain` and :meth:`Plan.save`."""
     segments = []
     for seg, rec in zip(choice.schedule.segments, choice.schedule.recomputed):
         members = set(seg)
@@ -78,6 +82,7 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str) -> Plan:
             kept_bytes=sum(graph.out_bytes[r] for r in kept_roots),
             recompute_cost=sum(graph.time[v] for v in seg) * graph.time_unit if rec else 0.0,
         ))
+    timeline = predicted_timeline(graph, choice.schedule)
     return Plan(
         strategy=choice.strategy,
         objective=choice.objective,
@@ -90,6 +95,10 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str) -> Plan:
         cost_model=cost_model,
         num_nodes=graph.n,
         num_lower_sets=choice.num_lower_sets,
+        nodes=tuple(nodes),
+        timeline_bytes=timeline.bytes,
+        backward_start=timeline.backward_start,
+        graph_key=key,
     )
 
 
@@ -97,7 +106,9 @@ def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Pl
     costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
     graph = build_graph(gm, costs)
     choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap)
-    return _plan_from(graph, choice, costs.cost_model), costs
+    the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
+                          key=graph_key(gm, inputs))
+    return the_plan, costs
 
 
 def _emit(gm: fx.GraphModule, the_plan: Plan, costs: GraphCosts) -> fx.GraphModule:
@@ -141,11 +152,24 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
 
 
 def _signature(inputs: tuple) -> tuple:
-    leaves = tree_flatten(inputs)[0]
-    return tuple(
-        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else (type(x), x)
-        for x in leaves
-    )
+    """The plan-cache key: input structure, the autocast state of the inputs' device types, then
+    per leaf shape/dtype/device/requires_grad for tensors and the value for other leaves (its
+    identity where it is unhashable)."""
+    leaves, spec = tree_flatten(inputs)
+    key = [str(spec)]
+    for device_type in sorted({x.device.type for x in leaves if isinstance(x, torch.Tensor)}):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            key.append(("autocast", device_type, torch.get_autocast_dtype(device_type)))
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            key.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+            continue
+        try:
+            hash(x)
+            key.append((type(x), x))
+        except TypeError:
+            key.append((type(x), id(x)))
+    return tuple(key)
 
 
 class _State:
@@ -158,6 +182,26 @@ class _State:
         self.signature = inspect.signature(model.forward)
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.last = None
+        self.traced_bindings = attribute_bindings(traced, model)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = object.__new__(_State)
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        # GraphModule.__deepcopy__ keeps only module state and .meta: carry over each segment's
+        # mutated buffers, without which a recomputation updates BatchNorm statistics again.
+        for entry, copied in zip(self.cache.values(), new.cache.values()):
+            for name, seg in entry[1].named_children():
+                if hasattr(seg, MUTATED_BUFFERS_ATTR):
+                    setattr(getattr(copied[1], name), MUTATED_BUFFERS_ATTR, getattr(seg, MUTATED_BUFFERS_ATTR))
+        return new
+
+    def __getstate__(self):
+        # Pickling a GraphModule re-traces its code, which would inline torch.utils.checkpoint
+        # and silently drop the recomputation: keep no emitted modules, re-plan after loading.
+        return {**self.__dict__, "cache": collections.OrderedDict(), "last": None}
 
 
 class RematModule(torch.nn.Module):
@@ -171,6 +215,7 @@ class RematModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, traced: fx.GraphModule, config: _Config):
         super().__init__()
+        self._check_not_sharded(model)
         # Share the model's registries: identical state_dict keys, order and tensors.
         self._modules = model._modules
         self._parameters = model._parameters
@@ -178,6 +223,21 @@ class RematModule(torch.nn.Module):
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
         self._remat = _State(model, traced, config)
+
+    @staticmethod
+    def _check_not_sharded(model: torch.nn.Module) -> None:
+        if not torch.distributed.is_available():
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:
+            raise TypeError(
+                f"fxremat.compile: {type(model).__name__} is already sharded with fully_shard "
+                f"(modules {sharded[:3]}); compile first, then shard: remat = fxremat.compile(model, "
+                f"budget, example_inputs=...); fully_shard each module that holds parameters (or each "
+                f"block passed in leaf_modules=); fully_shard(remat)"
+            )
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -189,14 +249,17 @@ class RematModule(torch.nn.Module):
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
+    @torch.compiler.disable  # planning runs eagerly under torch.compile; Dynamo traces the emitted module
     def _prepare(self, inputs: tuple):
         state = self._remat
         key = _signature(inputs)
         entry = state.cache.get(key)
         if entry is None:
             start = time.perf_counter()
+            rebind(state.traced_bindings)
             the_plan, costs = _plan_traced(state.traced, inputs, state.config)
-            entry = (the_plan, _emit(state.traced, the_plan, costs))
+            gm = _emit(state.traced, the_plan, costs)
+            entry = (the_plan, gm, attribute_bindings(gm, state.model))
             log.info("fxremat: planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
             state.cache[key] = entry
@@ -204,13 +267,14 @@ class RematModule(torch.nn.Module):
                 state.cache.popitem(last=False)
         state.cache.move_to_end(key)
         state.last = entry
+        rebind(entry[2])
         return entry
 
     def forward(self, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             return self._remat.model(*args, **kwargs)
         inputs = self._bind(args, kwargs)
-        _, gm = self._prepare(inputs)
+        gm = self._prepare(inputs)[1]
         return gm(*inputs)
 
     def _require_plan(self):

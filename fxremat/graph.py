@@ -33,7 +33,10 @@ class CostGraph:
     (``v`` included when it saves its own output). ``grad_alias[v]``: its backward passes views
     of its output's gradient to its inputs instead of new buffers. ``anchor[v]`` ties a view or
     a non-tensor node to the group of its latest predecessor: lower sets contain both or
-    neither (see :mod:`fxremat.lowersets`). ``time[v] * time_unit`` is its forward cost
+    neither (see :mod:`fxremat.lowersets`). ``uses_rng[v]``: v draws random numbers.
+    ``order_chains``: call nodes whose relative order decides a float sum outside the graph's
+    edges — the consumers of one graph input or attribute, the calls of one shared module
+    (their gradients accumulate into the same ``.grad``). ``time[v] * time_unit`` is its forward cost
     in ``cost_unit``; ``step_cost`` is one plain forward + backward in the same unit.
     ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
     backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
@@ -56,6 +59,8 @@ class CostGraph:
     cost_unit: str
     loss_bytes: int = 0
     anchor: tuple[int, ...] = ()
+    uses_rng: tuple[bool, ...] = ()
+    order_chains: tuple[tuple[int, ...], ...] = ()
     grad_alias: tuple[bool, ...] = ()
 
     @property
@@ -113,9 +118,26 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,
         grad_alias=tuple(c.grad_alias for c in node_costs),
+        uses_rng=tuple(c.uses_rng for c in node_costs),
+        order_chains=_order_chains(gm.graph, index),
         anchor=_anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
         loss_bytes=LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
     )
+
+
+def _order_chains(graph: fx.Graph, index: dict) -> tuple[tuple[int, ...], ...]:
+    chains = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            users = sorted(index[u.name] for u in node.users if u.name in index)
+            if len(users) >= 2:
+                chains.append(tuple(users))
+    calls: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, []).append(index[node.name])
+    chains += [tuple(c) for c in calls.values() if len(c) >= 2]
+    return tuple(chains)
 
 
 def _anchors(preds, owns_storage) -> tuple[int, ...]:

@@ -1,12 +1,18 @@
-"""The result of planning: :class:`Plan` (frozen) and its readable :meth:`Plan.summary`."""
+"""The result of planning: :class:`Plan` (frozen) and its views.
+
+:meth:`Plan.summary` (the segment table), :meth:`Plan.explain` (every kept and recomputed value
+with its bytes, module and source line), :meth:`Plan.timeline` (the predicted memory over the
+forward and backward), :meth:`Plan.plot_timeline` and :meth:`Plan.save` (JSON, read back by
+:func:`fxremat.load_plan`). The views are implemented in :mod:`fxremat.views`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import format_bytes
 
-__all__ = ["Plan", "Segment"]
+__all__ = ["Plan", "Segment", "NodeInfo", "Timeline"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,40 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class NodeInfo:
+    """Where one FX call node comes from and what it allocates, for :meth:`Plan.explain`.
+
+    ``out_bytes``: bytes of the new storages of its output (0 for a view of ``root``'s);
+    ``module``: the qualified name and class of the submodule it runs in (``"down.0.1
+    (BatchNorm2d)"``); ``source``: ``file:line`` of the user code that created it and ``code``
+    that line's text; ``mutated_buffers``: buffers it updates (re-emitting a saved plan needs
+    them).
+    """
+
+    name: str
+    out_bytes: int
+    root: str
+    module: str = ""
+    source: str = ""
+    code: str = ""
+    mutated_buffers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory in bytes after each event of one forward + backward; the backward starts at
+    index ``backward_start`` (the loss). Predicted by :mod:`fxremat.simulate` for a plan, or
+    measured by :func:`fxremat.views.measure_timeline`."""
+
+    bytes: tuple[int, ...]
+    backward_start: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.bytes, default=0)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A recomputation plan for one model and input signature.
 
@@ -30,7 +70,10 @@ class Plan:
     within the budget) or ``"memory-centric"`` (``budget="min"``). Bytes are the activation
     peak of one forward + backward beyond what was allocated before the step.
     ``predicted_overhead`` is the predicted recomputation time as a fraction of one plain step;
-    ``solve_seconds`` the time spent in the solver proper.
+    ``solve_seconds`` the time spent in the solver proper. ``nodes`` describes every call node
+    (:class:`NodeInfo`), ``timeline_bytes``/``backward_start`` the predicted memory timeline,
+    ``graph_key`` the hash of the traced graph and input signature the plan was made for
+    (:func:`fxremat.views.graph_key`); these are empty on plans built without them.
     """
 
     strategy: str
@@ -44,6 +87,10 @@ class Plan:
     cost_model: str
     num_nodes: int
     num_lower_sets: int
+    nodes: tuple[NodeInfo, ...] = field(default=(), repr=False)
+    timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
+    backward_start: int = 0
+    graph_key: str = ""
 
     @property
     def recomputed_nodes(self) -> tuple[str, ...]:
@@ -70,6 +117,30 @@ class Plan:
             kept = ", ".join(s.kept[:4]) + (f", +{len(s.kept) - 4}" if len(s.kept) > 4 else "")
             rows.append(f"  {i:>4} {len(s.nodes):>6}  {mode:<10} {format_bytes(s.kept_bytes):>10}  {span}  | {kept}")
         return "\n".join(head + rows)
+
+    def explain(self) -> str:
+        """Every value kept at a segment boundary and every recomputed value: node name, bytes,
+        the module and the source line it comes from (like JAX's ``print_saved_residuals``)."""
+        from .views import explain
+
+        return explain(self)
+
+    def timeline(self) -> Timeline:
+        """The predicted memory after each event of one forward + backward."""
+        return Timeline(self.timeline_bytes, self.backward_start)
+
+    def plot_timeline(self, path=None, *, measured: Timeline | None = None):
+        """Plot the predicted timeline (and ``measured`` beside it); save to ``path`` if given.
+        Returns the matplotlib figure; needs ``pip install matplotlib`` (``fxremat[plot]``)."""
+        from .views import plot_timeline
+
+        return plot_timeline(self, path, measured=measured)
+
+    def save(self, path) -> None:
+        """Write the plan as JSON, keyed by ``graph_key``; read it with :func:`fxremat.load_plan`."""
+        from .views import save_plan
+
+        save_plan(self, path)
 
     def __str__(self) -> str:
         return self.summary()

@@ -9,6 +9,7 @@ that peak is the smallest feasible budget reported by :class:`~fxremat.Infeasibl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,13 +19,14 @@ from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .lowersets import all_lower_sets, bits, pruned_family
 from .simulate import Schedule, simulate
-from .solvers import kusumoto
+from .solvers import chen, kusumoto
 
 __all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP"]
 
 log = logging.getLogger("fxremat")
 
-STRATEGIES = ("auto", "exact", "approx")
+STRATEGIES = ("auto", "exact", "approx", "chen", "sequential", "none")
+_KUSUMOTO = ("auto", "exact", "approx")
 DEFAULT_EXACT_CAP = 2_000
 _BISECT_STEPS = 8
 _MIN_LADDER = (1.02, 1.05, 1.1, 1.2, 1.35, 1.5)
@@ -52,12 +54,57 @@ class _Candidate:
     recompute_time: int
 
 
+def _group_ancestors(gpreds: dict, g: int) -> set:
+    seen, stack = set(), [g]
+    while stack:
+        for p in gpreds.get(stack.pop(), ()):
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return seen
+
+
+def ordered_preds(graph: CostGraph) -> tuple[tuple[int, ...], ...]:
+    """Predecessors plus precedence edges that keep, for every value with three or more
+    consumers, its consumers in traced order. Autograd sums a value's gradient contributions in
+    the order its consumers ran; with three or more terms another order changes the float sum,
+    so strategies whose lower sets respect these edges give bitwise-equal gradients. So are the
+    consumers of a graph input or parameter and the calls of a shared module
+    (``graph.order_chains``), and the nodes that draw random numbers (dropout masks). An
+    edge that would close a cycle among tied groups is left out."""
+    anchor = graph.anchor or tuple(range(graph.n))
+    preds = [set(ps) for ps in graph.preds]
+    gpreds: dict[int, set] = {}
+    for v, ps in enumerate(graph.preds):
+        gpreds.setdefault(anchor[v], set()).update(anchor[p] for p in ps if anchor[p] != anchor[v])
+    chains = [sorted(graph.succs[v]) for v in range(graph.n) if len(graph.succs[v]) >= 3]
+    chains.append([v for v in range(graph.n) if graph.uses_rng and graph.uses_rng[v]])
+    chains += [list(c) for c in graph.order_chains]
+    for users in chains:
+        for a, b in zip(users, users[1:]):
+            ga, gb = anchor[a], anchor[b]
+            if ga == gb or gb in _group_ancestors(gpreds, ga):
+                continue
+            preds[b].add(a)
+            gpreds.setdefault(gb, set()).add(ga)
+    return tuple(tuple(sorted(ps)) for ps in preds)
+
+
+def _ordered_graph(graph: CostGraph) -> CostGraph:
+    """``graph`` with :func:`ordered_preds` as its edges (for choosing lower sets only)."""
+    preds = ordered_preds(graph)
+    succs = [[] for _ in preds]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(v)
+    return dataclasses.replace(graph, preds=preds, succs=tuple(tuple(x) for x in succs))
+
+
 def _family(graph: CostGraph, strategy: str, cap: int):
-    if strategy not in STRATEGIES:
-        raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    preds = ordered_preds(graph)
     if strategy == "approx":
-        return pruned_family(graph.preds, anchor=graph.anchor), "approx"
-    family = all_lower_sets(graph.preds, cap=cap, anchor=graph.anchor)
+        return pruned_family(preds, anchor=graph.anchor), "approx"
+    family = all_lower_sets(preds, cap=cap, anchor=graph.anchor)
     if family is not None:
         return family, "exact"
     if strategy == "exact":
@@ -66,7 +113,7 @@ def _family(graph: CostGraph, strategy: str, cap: int):
             f"({graph.n} nodes); raise exact_cap= or use strategy='approx' or 'auto'"
         )
     log.info("fxremat: more than %d lower sets; using the approximate DP", cap)
-    return pruned_family(graph.preds, anchor=graph.anchor), "approx"
+    return pruned_family(preds, anchor=graph.anchor), "approx"
 
 
 def _schedule(lower_sets) -> Schedule:
@@ -138,21 +185,77 @@ def _fastest_within(solver: _Solver, budget: int, least: _Candidate) -> _Candida
     return best
 
 
+class _Fixed:
+    """Candidates given up front (the chain baselines), each simulated once."""
+
+    def __init__(self, graph: CostGraph, sequences):
+        start = time.perf_counter()
+        self.cands = [_candidate(graph, kusumoto.Solution(seq, 0, 0)) for seq in sequences]
+        self.seconds = time.perf_counter() - start
+
+    def least(self) -> _Candidate | None:
+        return min(self.cands, key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
+
+    def fastest_within(self, budget: int) -> _Candidate | None:
+        best = None
+        for c in self.cands:
+            if c.peak_bytes <= budget:
+                best = _better(best, c)
+        return best
+
+
+def _sources(graph: CostGraph, strategy: str, exact_cap: int) -> dict:
+    """The strategy's candidate sources by name, and the number of lower sets searched."""
+    sources, sets = {}, 0
+    if strategy in _KUSUMOTO:
+        family, used = _family(graph, strategy, exact_cap)
+        sources[used], sets = _Solver(graph, family), len(family)
+    ordered = _ordered_graph(graph) if strategy in ("auto", "chen", "sequential") else graph
+    if strategy in ("auto", "chen"):
+        sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
+    if strategy in ("auto", "sequential"):
+        sources["sequential"] = _Fixed(graph, chen.sequential_candidates(ordered))
+    return sources, sets
+
+
+def _least(source) -> _Candidate | None:
+    return _least_peak(source) if isinstance(source, _Solver) else source.least()
+
+
+def _within(source, target: int, least: _Candidate | None) -> _Candidate | None:
+    if least is None or least.peak_bytes > target:
+        return None
+    return _fastest_within(source, target, least) if isinstance(source, _Solver) else source.fastest_within(target)
+
+
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int = DEFAULT_EXACT_CAP) -> Choice:
-    """Plan ``graph`` under ``budget`` (see the module docstring)."""
+    """Plan ``graph`` under ``budget`` (see the module docstring).
+
+    ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"chen"``, ``"sequential"`` (chain
+    baselines), ``"none"``, or ``"auto"``: the least predicted overhead within the budget (the
+    least peak for ``"min"``) among the Kusumoto DP and the baselines.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
     plain = Schedule((tuple(range(graph.n)),), (False,))
     baseline = simulate(graph, plain)
     target = budget.resolve(baseline)
-    family, used = _family(graph, strategy, exact_cap)
-    if target is not None and target >= baseline:
-        return Choice(plain, "none", "time-centric", target, baseline, baseline, 0, 0.0, len(family))
-    solver = _Solver(graph, family)
-    least = _least_peak(solver)
+    if strategy == "none" or (target is not None and target >= baseline):
+        if target is not None and target < baseline:
+            raise InfeasibleBudgetError(target, baseline)
+        return Choice(plain, "none", "time-centric", target or baseline, baseline, baseline, 0, 0.0, 0)
+    sources, sets = _sources(graph, strategy, exact_cap)
+    least = {name: _least(src) for name, src in sources.items()}
+    floor_name = min((n for n in least if least[n]), key=lambda n: (least[n].peak_bytes, least[n].recompute_time))
+    floor = least[floor_name]
+    seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731
     if target is None:
-        return Choice(least.schedule, used, "memory-centric", least.peak_bytes, baseline,
-                      least.peak_bytes, least.recompute_time, solver.seconds, len(family))
-    if target < least.peak_bytes:
-        raise InfeasibleBudgetError(target, least.peak_bytes)
-    best = _fastest_within(solver, target, least)
-    return Choice(best.schedule, used, "time-centric", target, baseline, best.peak_bytes,
-                  best.recompute_time, solver.seconds, len(family))
+        return Choice(floor.schedule, floor_name, "memory-centric", floor.peak_bytes, baseline,
+                      floor.peak_bytes, floor.recompute_time, seconds(), sets)
+    if target < floor.peak_bytes:
+        raise InfeasibleBudgetError(target, floor.peak_bytes)
+    picks = {name: _within(src, target, least[name]) for name, src in sources.items()}
+    name = min((n for n in picks if picks[n]), key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes))
+    best = picks[name]
+    return Choice(best.schedule, name, "time-centric", target, baseline, best.peak_bytes,
+                  best.recompute_time, seconds(), sets)

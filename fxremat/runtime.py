@@ -5,6 +5,12 @@
 just before its backward, with the RNG state (dropout masks) and autocast state of the original
 forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``)
 are restored after the recomputation, so they are updated exactly once per step.
+
+:func:`attribute_bindings` and :func:`rebind` keep the ``get_attr`` values of GraphModules
+derived from a model (parameters and buffers used outside a submodule call, held by copies of
+the model's attribute paths) identical to the model's own: ``.to()``/``.half()`` replace buffers,
+``load_state_dict(assign=True)`` and FSDP2 replace parameters, and a stale copy would silently
+train the old tensors.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "MUTATED_BUFFERS_ATTR"]
+__all__ = ["recompute", "MUTATED_BUFFERS_ATTR", "attribute_bindings", "rebind"]
 
 # Attribute of a segment GraphModule listing the qualified names of the buffers it mutates.
 MUTATED_BUFFERS_ATTR = "_fxremat_mutated_buffers"
@@ -39,5 +46,52 @@ def _contexts(segment: torch.nn.Module):
 
 
 def recompute(segment: torch.nn.Module, *inputs):
-    """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward."""
+    """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward.
+
+    Under ``torch.compile`` Dynamo turns the checkpoint into its own higher-order op, which takes
+    no custom ``context_fn``; none is needed there, since AOTAutograd recomputes the functionalized
+    segment in the backward graph and applies buffer mutations once, in the forward.
+    """
+    if torch.compiler.is_compiling():
+        return checkpoint(segment, *inputs, use_reentrant=False)
     return checkpoint(segment, *inputs, use_reentrant=False, context_fn=lambda: _contexts(segment))
+
+
+def attribute_bindings(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:
+    """``(holder, owner, name)`` for every ``get_attr`` of ``gm`` and of its own GraphModule
+    children whose holding module is a copy (``holder``) of a module of ``model`` (``owner``)."""
+    graphs = [gm] + [m for n, m in gm.named_children()
+                     if isinstance(m, fx.GraphModule) and m is not getattr(model, n, None)]
+    found = {}
+    for g in graphs:
+        for node in g.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            prefix, _, name = node.target.rpartition(".")
+            holder, owner = g.get_submodule(prefix), _submodule_or_none(model, prefix)
+            if owner is not None and holder is not owner and hasattr(owner, name):
+                found[(id(holder), name)] = (holder, owner, name)
+    return tuple(found.values())
+
+
+def _submodule_or_none(model: torch.nn.Module, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:  # a module of the emitted graph only (seg_i)
+        return None
+
+
+def rebind(bindings) -> None:
+    """Point every binding's ``holder.name`` at the model's current ``owner.name``."""
+    for holder, owner, name in bindings:
+        live = getattr(owner, name)
+        if getattr(holder, name) is live:
+            continue
+        holder._parameters.pop(name, None)
+        holder._buffers.pop(name, None)
+        if isinstance(live, torch.nn.Parameter):
+            holder._parameters[name] = live
+        elif isinstance(live, torch.Tensor):
+            holder._buffers[name] = live
+        else:
+            holder.__dict__[name] = live

@@ -80,17 +80,11 @@ def test_random_graphs_train_exactly_within_budget(spec, fraction, seed):
         return out.detach()
 
     out_a, _ = fxremat.measure_peak(step, plain)
+    x_grad_plain = x.grad
     out_b, peak = fxremat.measure_peak(step, compiled)
     assert torch.equal(out_a, out_b)
-    if _keeps_node_order(compiled):
-        assert_same_state(plain, compiled)
-    else:  # consumers run in another order: gradient sums differ only by float rounding
-        for p, q in zip(plain.parameters(), compiled.parameters()):
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
-    assert peak <= compiled.plan.budget_bytes * 1.05 + x.numel() * 4  # the input's gradient is extra
+    assert_same_state(plain, compiled)
+    assert torch.equal(x.grad, x_grad_plain)
+    # the input is outside the budget, and so is its gradient (plus one accumulation buffer)
+    assert peak <= compiled.plan.budget_bytes * 1.05 + 2 * x.numel() * 4
 
-
-def _keeps_node_order(compiled) -> bool:
-    order = [name for seg in compiled.plan.segments for name in seg.nodes]
-    traced = [n.name for n in compiled._remat.traced.graph.nodes if n.name in set(order)]
-    return order == traced

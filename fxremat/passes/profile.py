@@ -10,6 +10,8 @@
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
   (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
   buffers (``narrow``/``slice`` allocate their input's size);
+- ``uses_rng``: whether it draws random numbers (dropout masks); such nodes must keep their
+  relative order, or the RNG stream hands them other masks;
 - its forward and backward cost: median wall time over repeats (``"measured"``; the backward
   of a node is the time from its output's ``grad_fn`` starting to the next node's starting),
   FLOPs plus a memory-traffic term (``"flops"``, works under ``FakeTensorMode``; backward twice
@@ -67,6 +69,7 @@ class NodeCost:
     grad_alias: bool = False
     tensor_output: bool = True
     bwd_cost: float = 0.0
+    uses_rng: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             self.owner[k] = ""
         self.costs: list[NodeCost] = []
         self.buffers = list(gm.named_buffers())
+        self.fake = _is_fake(list(gm.parameters()) + list(gm.buffers()))
         self.tracker = LiveStorageTracker()
 
     def run_node(self, n: fx.Node):
@@ -142,6 +146,7 @@ class _ProfilingInterpreter(fx.Interpreter):
                 self.owner.setdefault(_storage_key(t), "")
             return out
         versions = {name: b._version for name, b in self.buffers}
+        rng_before = None if self.fake else torch.get_rng_state()
         recorder = _SavedRecorder()
         flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
         live_before = self.tracker.live_bytes
@@ -152,13 +157,15 @@ class _ProfilingInterpreter(fx.Interpreter):
             out = super().run_node(n)
         transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes)
         flops = flop_counter.get_total_flops() if flop_counter else 0
+        uses_rng = _draws_random(self.module, n) or (rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         if n.op == "call_module":
             # Kernels such as native_batch_norm update running statistics without bumping the
             # version counter, so every buffer of a called module counts as mutated.
             mutated |= {f"{n.target}.{name}" for name, _ in self.module.get_submodule(n.target).named_buffers()}
         mutated = tuple(sorted(mutated))
-        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops), mutated_buffers=mutated)
+        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops), mutated_buffers=mutated,
+                       uses_rng=uses_rng)
         if self.cost_model == "measured":
             cost = replace(cost, fwd_cost=self._time_node(n))
         self.costs.append(cost)
@@ -216,6 +223,26 @@ class _ProfilingInterpreter(fx.Interpreter):
 
 
 # Backward functions that hand their inputs views of the incoming gradient (no new buffer).
+_RANDOM_FUNCTIONS = {
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.nn.functional.alpha_dropout, torch.nn.functional.feature_alpha_dropout,
+    torch.nn.functional.rrelu, torch.dropout, torch.bernoulli, torch.rand, torch.randn, torch.rand_like,
+    torch.randn_like, torch.randint, torch.randint_like, torch.randperm, torch.normal, torch.multinomial,
+}
+_RANDOM_METHODS = {"bernoulli", "bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
+                   "log_normal_", "cauchy_", "multinomial"}
+
+
+def _draws_random(root: torch.nn.Module, n: fx.Node) -> bool:
+    """Random ops recognised by name (needed on fake tensors, where the RNG does not move)."""
+    if n.op == "call_module":
+        mod = root.get_submodule(n.target)
+        return any(isinstance(m, (torch.nn.modules.dropout._DropoutNd, torch.nn.RReLU)) for m in mod.modules())
+    if n.op == "call_function":
+        return n.target in _RANDOM_FUNCTIONS
+    return n.target in _RANDOM_METHODS
+
+
 _ALIAS_GRAD_FNS = (
     "CatBackward", "StackBackward", "AddBackward0", "ViewBackward", "ReshapeAliasBackward",
     "UnsafeViewBackward", "PermuteBackward", "TransposeBackward", "TBackward", "SqueezeBackward",

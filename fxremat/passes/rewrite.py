@@ -103,12 +103,11 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers) -> None:
     name = f"seg_{i}"
     attrs[name] = _segment_module(gm, members, inputs, outputs, mutated)
     fn = top.get_attr(name)
-    call = top.call_function(recompute, (fn, *[env[a] for a in inputs]))
-    call.name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
+    args = (fn, *[env[a] for a in inputs])
+    call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
+    call = top.create_node("call_function", recompute, args, name=call_name)
     if len(outputs) == 1:
         env[outputs[0]] = call
         return
     for k, o in enumerate(outputs):
-        item = top.call_function(operator.getitem, (call, k))
-        item.name = o.name
-        env[o] = item
+        env[o] = top.create_node("call_function", operator.getitem, (call, k), name=o.name)

@@ -23,15 +23,25 @@ lower set) and skipping dominated (L, t) entries. The family decides exact (all 
 approximate ({L^v}); ``objective="time"`` is the time-centric strategy, ``"memory"`` finds the
 least peak (the memory-centric budget). Identical inputs give identical outputs (integer
 arithmetic only), which the Cython kernels must reproduce.
+
+The work is done by two kernels on plain arrays, :func:`set_tables` and :func:`solve_dp`
+(the pure-Python references, below); ``fxremat/_dp.pyx`` has compiled twins with the same
+signatures and results, and :mod:`fxremat._kernels` picks one. :func:`solve` also bounds the
+search with the approximate family's answer, which provably leaves the answer unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, replace
 
+from .. import _kernels
 from ..graph import CostGraph
+from ..lowersets import bits, pack, pruned_family, unpack, words
 
-__all__ = ["Solution", "Tables", "build_tables", "solve"]
+__all__ = ["Solution", "Tables", "build_tables", "solve", "set_tables", "solve_dp"]
+
+OBJECTIVES = ("time", "memory")
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,154 @@ class Solution:
     lower_sets: tuple[int, ...]
     time: int
     peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Per-lower-set quantities of the DP, packed for the kernels.
+
+    ``sets`` is the family (bitsets sorted by size then value, ∅ first, V last). The kernels'
+    inputs are flat machine arrays kept as bytes: ``set_words`` the same sets and
+    ``keep_words`` the bitset of the storage owners of ∂(L) per set and ``top_words`` that of
+    the maximal nodes of L (no successor in L; a lower set contains L iff it contains them)
+    (``words(n)`` uint64 words each, see :func:`fxremat.lowersets.pack`); int64 per set
+    ``grad_boundary`` G(∂(L)),
+    ``prefix_time`` T(L) and ``prefix_saved`` Σ_{v ∈ L} (S + E + G). ``coarse`` is the same
+    for the approximate family {L^v} inside ``sets`` (``None`` when that is all of it); its
+    solutions bound the search over ``sets`` (see :func:`solve`).
+    """
+
+    sets: tuple[int, ...]
+    n: int
+    set_words: bytes
+    keep_words: bytes
+    top_words: bytes
+    grad_boundary: bytes
+    prefix_time: bytes
+    prefix_saved: bytes
+    coarse: Tables | None = None
+
+    @property
+    def keep_roots(self) -> tuple[int, ...]:
+        """The storage owners of ∂(L) per set, as bitsets."""
+        return tuple(unpack(self.keep_words, words(self.n)))
+
+
+def _view(data: bytes, fmt: str) -> memoryview:
+    return memoryview(data).cast(fmt)
+
+
+def build_tables(graph: CostGraph, family) -> Tables:
+    """Precompute the per-set sums the transitions need (kernel :func:`set_tables`)."""
+    n, family = graph.n, tuple(family)
+    saved_any = [0] * n
+    for owners in graph.saved:
+        for o in owners:
+            saved_any[o] = graph.out_bytes[o]
+    additive = [s + e + g for s, e, g in zip(saved_any, graph.extra_bytes, graph.grad_bytes)]
+    succ = [sum(1 << s for s in ss) for ss in graph.succs]
+    set_words = pack(family, words(n))
+    kernel = _kernels.pick(set_tables, "set_tables")
+    keep, tops, grad_boundary, prefix_time, prefix_saved = kernel(
+        set_words, pack(succ, words(n)), array("B", graph.is_output), array("q", graph.root),
+        array("q", graph.grad_bytes), array("q", additive), array("q", graph.time))
+    tables = Tables(family, n, set_words.tobytes(), keep.tobytes(), tops.tobytes(),
+                    grad_boundary.tobytes(), prefix_time.tobytes(), prefix_saved.tobytes())
+    coarse = _coarse_indices(graph, family)
+    return tables if coarse is None else replace(tables, coarse=_select(tables, coarse))
+
+
+def _coarse_indices(graph: CostGraph, family) -> list[int] | None:
+    """Indices of ∅, V and the L^v in ``family``; ``None`` when they are all of it."""
+    if not family:
+        return None
+    pruned = set(pruned_family(graph.preds, anchor=graph.anchor))
+    last = len(family) - 1
+    chosen = [i for i, mask in enumerate(family) if mask in pruned or i in (0, last)]
+    return None if len(chosen) == len(family) else chosen
+
+
+def _select(tables: Tables, rows: list[int]) -> Tables:
+    """The sub-table of ``rows`` (ascending, so still sorted by size)."""
+    wide = 8 * words(tables.n)
+
+    def pick(data: bytes, size: int) -> bytes:
+        return b"".join(data[size * i:size * (i + 1)] for i in rows)
+
+    return Tables(tuple(tables.sets[i] for i in rows), tables.n, pick(tables.set_words, wide),
+                  pick(tables.keep_words, wide), pick(tables.top_words, wide), pick(tables.grad_boundary, 8),
+                  pick(tables.prefix_time, 8), pick(tables.prefix_saved, 8))
+
+
+def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time"):
+    """Algorithm 1 over ``tables.sets``; returns a :class:`Solution` or ``None`` if infeasible.
+
+    ``objective="time"``: least overhead with every step's memory ≤ ``budget``.
+    ``objective="memory"``: least peak (``budget``, if given, still bounds every step).
+
+    Bounds shrink the search without changing the answer (the same for both kernels):
+
+    - time objective: a chain of the approximate family inside ``sets`` (``tables.coarse``) is
+      a chain of ``sets`` with the same step costs, so its least time t_c under the same budget
+      bounds t*. Times never decrease along a chain (node times ≥ 0, checked), so the optimal
+      chain's labels all have t ≤ t_c; a label with t > t_c can only dominate labels with a
+      larger t, so dropping all of them (``time_limit``) leaves every label with t ≤ t_c,
+      back-pointers included, as it was, and the answer with it.
+    - memory objective: likewise any P ≥ peak* used as the budget gives the same answer (a
+      label with peak > P only dominates labels with a larger peak, and the answer's chain has
+      peak* everywhere). P starts at the approximate family's least peak and is lowered by
+      bisection: a time-objective solve with budget ``mid`` fails (peak* > mid) or returns a
+      chain whose peak is the new P. The final solve then keeps only labels near peak*. (The
+      reference kernel scans every pair in each solve, so it skips the bisection.)
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"fxremat.solvers.kusumoto.solve: objective must be 'time' or 'memory', got {objective!r}")
+    time_limit = None
+    if tables.coarse is not None and objective == "time" and min(graph.time, default=0) >= 0:
+        coarse = _run(graph, tables.coarse, budget, "time", None)
+        time_limit = None if coarse is None else coarse[1]
+    elif tables.coarse is not None and objective == "memory":
+        budget = _peak_bound(graph, tables, budget)
+    found = _run(graph, tables, budget, objective, time_limit)
+    if found is None:
+        return None
+    chain, time, peak = found
+    return Solution(tuple(tables.sets[j] for j in chain), time, peak)
+
+
+# Bisection probes per implementation (a compiled probe costs little next to what it saves).
+_PEAK_PROBES = {"python": 0, "cython": 12}
+
+
+def _peak_bound(graph: CostGraph, tables: Tables, budget):
+    """A P with peak* ≤ P ≤ ``budget``, close to peak* (see :func:`solve`)."""
+    coarse = _run(graph, tables.coarse, budget, "memory", None)
+    if coarse is None:
+        return budget
+    low, high = 0, coarse[2]
+    for _ in range(_PEAK_PROBES[_kernels.current()]):
+        if high - low <= abs(high) // 1024:
+            break
+        mid = (low + high) // 2
+        found = _run(graph, tables, mid, "time", None)
+        if found is None:
+            low = mid + 1
+        else:
+            high = found[2]
+    return high
+
+
+def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit):
+    kernel = _kernels.pick(solve_dp, "solve_dp")
+    return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"), _view(tables.top_words, "Q"),
+                  _view(tables.grad_boundary, "q"), _view(tables.prefix_time, "q"),
+                  _view(tables.prefix_saved, "q"), array("q", graph.out_bytes),
+                  array("q", graph.transient_bytes), graph.loss_bytes, budget, objective, time_limit)
+
+
+# --------------------------------------------------------------------------- reference kernels
+# Pure Python, on plain arrays; fxremat/_dp.pyx has compiled kernels with the same signatures
+# and identical integer results (tests/test_kernels.py compares them).
 
 
 class _ChunkTable:
@@ -56,56 +214,37 @@ class _ChunkTable:
 
     def __call__(self, mask: int) -> int:
         data = mask.to_bytes(self.nbytes, "little")
-        return self.combine([tab[b] for tab, b in zip(self.tables, data) if b])
+        return self.combine([tab[b] for tab, b in zip(self.tables, data) if b] or [0])
 
 
-@dataclass(frozen=True)
-class Tables:
-    """Per-lower-set quantities of the DP (lists indexed like ``sets``)."""
-
-    sets: tuple[int, ...]
-    keep_roots: tuple[int, ...]   # bitset of the storage owners of ∂(L)
-    grad_boundary: tuple[int, ...]  # G(∂(L))
-    prefix: tuple[tuple[int, ...], ...]  # per set: (T, S + E + G) summed over L
-    full: int
-
-
-def _boundary(graph: CostGraph, mask: int) -> int:
+def _boundary(succ, is_output, mask: int) -> int:
     out = 0
-    for v in range(graph.n):
-        if (mask >> v) & 1 and (graph.is_output[v] or any(not (mask >> s) & 1 for s in graph.succs[v])):
+    for v in bits(mask):
+        if is_output[v] or succ[v] & ~mask:
             out |= 1 << v
     return out
 
 
-def build_tables(graph: CostGraph, family) -> Tables:
-    """Precompute the per-set sums the transitions need."""
-    saved_any = [0] * graph.n
-    for owners in graph.saved:
-        for o in owners:
-            saved_any[o] = graph.out_bytes[o]
-    grad = _ChunkTable(graph.grad_bytes, sum)
-    additive = _ChunkTable(
-        [s + e + g for s, e, g in zip(saved_any, graph.extra_bytes, graph.grad_bytes)], sum
-    )
-    time = _ChunkTable(graph.time, sum)
-    keep, gb, prefix = [], [], []
-    for mask in family:
-        bnd = _boundary(graph, mask)
-        roots = 0
-        for v in _bits(bnd):
-            roots |= 1 << graph.root[v]
-        keep.append(roots)
-        gb.append(grad(bnd))
-        prefix.append((time(mask), additive(mask)))
-    return Tables(tuple(family), tuple(keep), tuple(gb), tuple(prefix), (1 << graph.n) - 1)
+def set_tables(sets, succ, is_output, root, grad, additive, time):
+    """Kernel: per packed lower set, ``(keep, tops, grad_boundary, prefix_time, prefix_saved)``.
 
-
-def _bits(mask: int):
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+    ``sets``, ``succ`` (successor bitset per node): packed bitsets; ``is_output`` uint8,
+    ``root``, ``grad`` (G), ``additive`` (S + E + G), ``time`` (T): int64 per node. Returns the
+    packed bitsets of the storage owners of ∂(L) and int64 arrays of G(∂(L)), T(L) and
+    Σ_{v ∈ L} additive[v]; ``tops`` packs the maximal nodes of each set (no successor in it).
+    """
+    width = words(len(time))
+    succ_masks = unpack(succ, width)
+    grad_sum, add_sum, time_sum = _ChunkTable(grad, sum), _ChunkTable(additive, sum), _ChunkTable(time, sum)
+    keep, tops, grad_boundary, prefix_time, prefix_saved = [], [], array("q"), array("q"), array("q")
+    for mask in unpack(sets, width):
+        bnd = _boundary(succ_masks, is_output, mask)
+        keep.append(sum({1 << root[v] for v in bits(bnd)}))
+        tops.append(sum(1 << v for v in bits(mask) if not succ_masks[v] & mask))
+        grad_boundary.append(grad_sum(bnd))
+        prefix_time.append(time_sum(mask))
+        prefix_saved.append(add_sum(mask))
+    return pack(keep, width), pack(tops, width), grad_boundary, prefix_time, prefix_saved
 
 
 def _front(labels: dict, objective: str) -> list:
@@ -138,42 +277,48 @@ def _relax(target: dict, objective: str, t: int, m: int, peak: int, back) -> Non
         target[(peak, m)] = (t, back)
 
 
-def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time"):
-    """Algorithm 1 over ``tables.sets``; returns a :class:`Solution` or ``None`` if infeasible.
+def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient,
+             loss_bytes: int, budget: int | None, objective: str, time_limit: int | None = None):
+    """Kernel: Algorithm 1 over a packed family; ``(chain, t, peak)`` or ``None``.
 
-    ``objective="time"``: least overhead with every step's memory ≤ ``budget``.
-    ``objective="memory"``: least peak (``budget``, if given, still bounds every step).
+    ``sets``/``keep``: packed bitsets (L and the storage owners of ∂(L)) sorted by size, ∅
+    first and V last; ``grad_boundary``, ``prefix_time``, ``prefix_saved``: int64 per set (see
+    :class:`Tables`); ``out_bytes``, ``transient``: int64 per node. ``chain`` holds the indices
+    of L_1, ..., L_k = V in ``sets``. Labels with a time above ``time_limit`` are dropped.
+    ``tops`` (packed subsets of each set, e.g. its maximal nodes) only speed up the compiled
+    kernel's search for supersets; this reference tests every pair.
     """
-    if objective not in ("time", "memory"):
-        raise ValueError(f"fxremat.solvers.kusumoto.solve: objective must be 'time' or 'memory', got {objective!r}")
-    out_bytes = _ChunkTable(graph.out_bytes, sum)
-    transient = _ChunkTable(graph.transient_bytes, max)
-    sets, count = tables.sets, len(tables.sets)
+    width = words(len(out_bytes))
+    sets, keep_roots = unpack(sets, width), unpack(keep, width)
+    out_sum, transient_max = _ChunkTable(out_bytes, sum), _ChunkTable(transient, max)
+    full, count = sets[-1], len(sets)
     labels: list[dict] = [dict() for _ in range(count)]
     labels[0][0 if objective == "time" else (0, 0)] = (0, 0, None) if objective == "time" else (0, None)
     limit = budget if budget is not None else float("inf")
     for j in range(count):
         front = _front(labels[j], objective)
-        low, (t_low, s_low) = sets[j], tables.prefix[j]
+        if not front:
+            continue
+        low, t_low, s_low = sets[j], prefix_time[j], prefix_saved[j]
         for k in range(j + 1, count):
             high = sets[k]
             if low & ~high:
                 continue
             seg = high & ~low
-            keep = out_bytes(tables.keep_roots[k] & seg)
-            step = keep + tables.prefix[k][1] - s_low + tables.grad_boundary[j] + transient(seg)
-            if high == tables.full:
-                dt, step = 0, step + graph.loss_bytes
+            kept = out_sum(keep_roots[k] & seg)
+            step = kept + prefix_saved[k] - s_low + grad_boundary[j] + transient_max(seg)
+            if high == full:
+                dt, step = 0, step + loss_bytes
             else:
-                dt = tables.prefix[k][0] - t_low
+                dt = prefix_time[k] - t_low
             for key, t, m, peak in front:
                 mem = m + step
-                if mem <= limit:
-                    _relax(labels[k], objective, t + dt, m + keep, max(peak, mem), (j, key))
-    return _best(tables, labels, objective)
+                if mem <= limit and (time_limit is None or t + dt <= time_limit):
+                    _relax(labels[k], objective, t + dt, m + kept, max(peak, mem), (j, key))
+    return _best(labels, objective)
 
 
-def _best(tables: Tables, labels, objective: str):
+def _best(labels, objective: str):
     final = labels[-1]
     if not final:
         return None
@@ -183,8 +328,8 @@ def _best(tables: Tables, labels, objective: str):
     else:
         key = min(final, key=lambda pm: (pm[0], final[pm][0], pm[1]))
         t, peak = final[key][0], key[0]
-    seq, j = [], len(tables.sets) - 1
+    chain, j = [], len(labels) - 1
     while j != 0:
-        seq.append(tables.sets[j])
+        chain.append(j)
         j, key = labels[j][key][-1]
-    return Solution(tuple(reversed(seq)), t, peak)
+    return tuple(reversed(chain)), t, peak
