@@ -27,13 +27,13 @@ from .passes.trace import trace
 from .plan import Plan, Segment
 from .planner import DEFAULT_EXACT_CAP, Choice, choose
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
-from .views import graph_key, node_infos, predicted_timeline
+from .views import check_plan, graph_key, node_infos, predicted_timeline
 
 __all__ = ["compile", "plan", "RematModule"]
 
 log = logging.getLogger("fxremat")
 
-_OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3}
+_OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None}
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,7 @@ class _Config:
     exact_cap: int
     max_plans: int
     profile_repeats: int
+    plan: Plan | None
 
 
 def _config(budget, strategy, cost_model, options) -> _Config:
@@ -51,6 +52,9 @@ def _config(budget, strategy, cost_model, options) -> _Config:
     if unknown:
         raise TypeError(f"fxremat.compile: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
     merged = {**_OPTIONS, **options}
+    if merged["plan"] is not None and not isinstance(merged["plan"], Plan):
+        raise TypeError(f"fxremat.compile: plan= takes a fxremat.Plan (fxremat.load_plan(path)), got "
+                        f"{type(merged['plan']).__name__}")
     if not isinstance(merged["max_plans"], int) or merged["max_plans"] < 1:
         raise ValueError(f"fxremat.compile: max_plans must be a positive int, got {merged['max_plans']!r}")
     return _Config(parse_budget(budget), strategy, cost_model, **merged)
@@ -111,9 +115,20 @@ def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Pl
     return the_plan, costs
 
 
-def _emit(gm: fx.GraphModule, the_plan: Plan, costs: GraphCosts) -> fx.GraphModule:
+def emitted_code(gm: fx.GraphModule, title: str) -> str:
+    """The emitted forward's source followed by each recomputed segment's source."""
+    parts = [f"# fxremat: {title}, recomputed segments are seg_*\n"
+             f"# (their interior is dropped after the forward and recomputed in the backward)",
+             gm.code.strip("\n")]
+    for name, seg in gm.named_children():
+        if name.startswith("seg_"):
+            parts.append(f"# {name}: recomputed during the backward\n" + seg.code.strip("\n"))
+    return "\n\n".join(parts) + "\n"
+
+
+def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
     segments = [list(s.nodes) for s in the_plan.segments]
-    mutated = {c.name: c.mutated_buffers for c in costs.nodes}
+    mutated = {n.name: n.mutated_buffers for n in the_plan.nodes}
     return rewrite(gm, segments, [s.recomputed for s in the_plan.segments], mutated)
 
 
@@ -140,7 +155,9 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     ``"exact"`` or ``"approx"``. ``cost_model``: ``"measured"``, ``"flops"`` or ``"uniform"``.
     ``leaf_modules``: classes or qualified names of submodules to keep as single nodes.
     Options: ``exact_cap`` (default 2000), ``max_plans`` (input signatures cached, default 8),
-    ``profile_repeats`` (default 3).
+    ``profile_repeats`` (default 3), ``plan`` (a :class:`Plan` from :func:`fxremat.load_plan`:
+    used as is, without profiling or solving, after checking it was made for this graph and
+    input signature).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -257,8 +274,12 @@ class RematModule(torch.nn.Module):
         if entry is None:
             start = time.perf_counter()
             rebind(state.traced_bindings)
-            the_plan, costs = _plan_traced(state.traced, inputs, state.config)
-            gm = _emit(state.traced, the_plan, costs)
+            if state.config.plan is not None:  # a saved plan: no profiling, no solving
+                check_plan(state.config.plan, state.traced, inputs, origin="the plan passed to fxremat.compile")
+                the_plan = state.config.plan
+            else:
+                the_plan = _plan_traced(state.traced, inputs, state.config)[0]
+            gm = _emit(state.traced, the_plan)
             entry = (the_plan, gm, attribute_bindings(gm, state.model))
             log.info("fxremat: planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
@@ -298,11 +319,4 @@ class RematModule(torch.nn.Module):
     @property
     def code(self) -> str:
         """Python source of the emitted forward, followed by each recomputed segment's code."""
-        gm = self.graph_module
-        parts = [f"# fxremat: {type(self._remat.model).__name__}, recomputed segments are seg_*\n"
-                 f"# (their interior is dropped after the forward and recomputed in the backward)",
-                 gm.code.strip("\n")]
-        for name, seg in gm.named_children():
-            if name.startswith("seg_"):
-                parts.append(f"# {name}: recomputed during the backward\n" + seg.code.strip("\n"))
-        return "\n\n".join(parts) + "\n"
+        return emitted_code(self.graph_module, type(self._remat.model).__name__)

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from .api import _emit, _plan_from
+from .api import _emit, _plan_from, emitted_code
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError, TraceError, format_bytes
 from .graph import build_graph
@@ -251,14 +251,6 @@ def _shapes(args) -> str:
 # Commands
 # --------------------------------------------------------------------------------------------
 
-def _code(emitted, title: str) -> str:
-    parts = [f"# fxremat: {title}, recomputed segments are seg_*", emitted.code.strip("\n")]
-    for name, seg in emitted.named_children():
-        if name.startswith("seg_"):
-            parts.append(f"# {name}: recomputed during the backward\n" + seg.code.strip("\n"))
-    return "\n\n".join(parts) + "\n"
-
-
 def cmd_plan(args) -> int:
     """Plan MODEL and print the plan; write code, JSON and a timeline plot on request."""
     with _fake_mode(args), _Progress(4, quiet=args.quiet) as progress:
@@ -270,7 +262,7 @@ def cmd_plan(args) -> int:
         the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
                               key=graph_key(gm, inputs))
         progress.stage("emitting")
-        code = _code(_emit(gm, the_plan, costs), type(model).__name__) if args.code else None
+        code = emitted_code(_emit(gm, the_plan), type(model).__name__) if args.code else None
         progress.advance()
     print(f"fxremat plan {args.model} on {_shapes(args)} ({args.device}{', fake' if args.fake else ''})\n")
     print(the_plan.summary())

@@ -105,3 +105,26 @@ def test_fake_tensor_mode_end_to_end():
         _, peak = fxremat.measure_peak(lambda: loss_of(compiled(x)).backward())
     assert compiled.plan.predicted_peak_bytes < compiled.plan.baseline_peak_bytes / 2
     assert peak <= compiled.plan.budget_bytes * 1.05
+
+
+def test_saved_plan_is_reused_without_solving_and_checked(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    plain, model = pair(small_unet())
+    x = torch.randn(2, 3, 32, 32)
+    path = tmp_path / "plan.json"
+    fxremat.plan(model, 0.5, example_inputs=(x,), cost_model="flops").save(path)
+    loaded = fxremat.load_plan(path)
+
+    def no_solving(*args, **kwargs):
+        raise AssertionError("a saved plan must not be solved again")
+
+    monkeypatch.setattr(fxremat.api, "_plan_traced", no_solving)
+    compiled = fxremat.compile(model, 0.5, example_inputs=(x,), plan=loaded)
+    assert compiled.plan is loaded
+    assert [s.nodes for s in compiled.plan.segments if s.recomputed]
+    train_step(plain, x), train_step(compiled, x)
+    assert_same_state(plain, compiled)
+    with pytest.raises(ValueError, match="another graph or input signature"):
+        fxremat.compile(small_unet(), 0.5, example_inputs=(torch.randn(2, 3, 64, 64),), plan=loaded)
+    with pytest.raises(TypeError, match="plan= takes a fxremat.Plan"):
+        fxremat.compile(model, 0.5, plan=str(path))

@@ -64,7 +64,6 @@ class NodeCost:
     fwd_cost: float
     flops: int
     module: str
-    source: str
     mutated_buffers: tuple[str, ...] = ()
     grad_alias: bool = False
     tensor_output: bool = True
@@ -174,6 +173,7 @@ class _ProfilingInterpreter(fx.Interpreter):
     def _time_node(self, n: fx.Node) -> float:
         """Median wall time of the node's forward in milliseconds (autograd recording on)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
+        getattr(self, n.op)(n.target, args, kwargs)  # warm-up: first calls pay one-off costs
         samples = []
         for _ in range(self.repeats):
             start = time.perf_counter()
@@ -214,7 +214,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             grad_bytes=sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad),
             param_grad_bytes=param_grad,
             fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
-            flops=flops, module=_module_path(n), source=_source_line(n), grad_alias=grad_alias,
+            flops=flops, module=_module_path(n), grad_alias=grad_alias,
             tensor_output=bool(_tensors(out)),
         )
 
@@ -260,12 +260,6 @@ def _grad_alias(out, args) -> bool:
     if name.startswith("AddBackward0"):  # broadcasting adds reduce the gradient: a new buffer
         return all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in _tensors(args))
     return True
-
-
-def _source_line(n: fx.Node) -> str:
-    trace = n.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File")]
-    return lines[-1] if lines else ""
 
 
 def _scalar_loss(out) -> torch.Tensor | None:
