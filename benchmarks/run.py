@@ -42,7 +42,7 @@ import unet  # noqa: E402
 GIB, MIB = 2**30, 2**20
 # Kusumoto et al. Table 1 (GB, parameters included): vanilla, best of their DP columns, Chen's.
 PAPER = {
-    "pspnet": (9.4, 2.7, 4.0), "unet": (9.1, 4.7, 7.4), "resnet50": (8.9, 3.4, 3.7),
+    "pspnet": (9.4, 2.7, 4.0), "pspnet101": (9.4, 2.7, 4.0), "unet": (9.1, 4.7, 7.4), "resnet50": (8.9, 3.4, 3.7),
     "resnet152": (9.2, 2.3, 2.4), "vgg19": (7.0, 4.5, 4.7), "densenet161": (8.5, 1.6, 1.8),
     "googlenet": (8.5, 5.2, 6.5),
 }
@@ -76,7 +76,9 @@ def _torchvision(name, **kwargs):
 
 def paper_nets(include_zoo: bool):
     nets = [("unet", lambda: unet.build_model("paper"), unet.PAPER_INPUT),
-            ("pspnet", lambda: pspnet.build_model("paper"), pspnet.PAPER_INPUT)]
+            ("pspnet", lambda: pspnet.build_model("paper"), pspnet.PAPER_INPUT),
+            # Zhao et al.'s ResNet-101 backbone: 373 nodes, the paper's PSPNet has 385
+            ("pspnet101", lambda: pspnet.PSPNet(layers=(3, 4, 23, 3)), pspnet.PAPER_INPUT)]
     if not include_zoo:
         return nets
     try:

@@ -210,6 +210,10 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int) -> dict:
     if strategy in _KUSUMOTO:
         family, used = _family(graph, strategy, exact_cap)
         sources[used], sets = _Solver(graph, family), len(family)
+    if strategy == "auto" and used == "exact":
+        # The DP optimises an upper bound of the peak, so the approximate family's optimum can
+        # simulate lower than the exact one's; it is cheap, so auto looks at both.
+        sources["approx"] = _Solver(graph, _family(graph, "approx", exact_cap)[0])
     ordered = _ordered_graph(graph) if strategy in ("auto", "chen", "sequential") else graph
     if strategy in ("auto", "chen"):
         sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
@@ -233,7 +237,7 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"chen"``, ``"sequential"`` (chain
     baselines), ``"none"``, or ``"auto"``: the least predicted overhead within the budget (the
-    least peak for ``"min"``) among the Kusumoto DP and the baselines.
+    least peak for ``"min"``) among the Kusumoto DP (exact and approximate) and the baselines.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
