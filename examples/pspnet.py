@@ -141,9 +141,9 @@ class PSPNet(nn.Module):
 
 
 def build_model(size="small"):
-    """A tiny PSPNet for tests (``"small"``) or the ResNet-50 one (``"paper"``)."""
+    """A narrow PSPNet (``"small"``, ResNet-50 depth at width 8) or the ResNet-50 one (``"paper"``)."""
     if size == "small":
-        return PSPNet(layers=(1, 1, 1, 1), base_width=8)
+        return PSPNet(layers=(3, 4, 6, 3), base_width=8)  # ResNet-50 depth, narrow
     if size == "paper":
         return PSPNet(layers=(3, 4, 6, 3), base_width=64)
     raise ValueError(f"size must be 'small' or 'paper', got {size!r}")
