@@ -1,9 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Compiled DP kernels of fxremat: plain arrays in, plain arrays out.
 
-Each function here has a pure-Python reference of the same name, signature and integer results
+Each function here has a pure-Python reference of the same name, signature and results
 (:func:`fxremat.lowersets.enumerate_lower_sets`, :func:`fxremat.solvers.kusumoto.set_tables`,
-:func:`fxremat.solvers.kusumoto.solve_dp`); :mod:`fxremat._kernels` picks one. No graph logic
+:func:`fxremat.solvers.kusumoto.solve_dp`, :func:`fxremat.solvers.rotor.rotor_table`);
+:mod:`fxremat._kernels` picks one. No graph logic
 and no torch objects in here: bitsets arrive packed as rows of uint64 words (least significant
 word first, ``words(n) = max(1, ceil(n / 64))`` per row), per-node and per-set numbers as int64.
 Arithmetic is int64 throughout (byte counts exceed 2**31).
@@ -13,7 +14,12 @@ undominated labels (sorted by key, strictly decreasing kept bytes m), maintained
 instead of a dict that is filtered later. Dropping a label that another label of the same set
 dominates (smaller key, no larger m) cannot change any undominated label, and equal keys keep
 the reference's tie rule (best secondary value, first arrival), so the staircase of each set
-equals the reference's front and back-pointers and answers are identical.
+equals the reference's front and back-pointers and answers are identical. The reference tries
+every pair j < k; here the k for a j are found as an AND of per-node containment bitsets over
+the sets ranked by S (or T), cut at the first rank that the budget (or time bound) excludes.
+
+Lower sets (:func:`enumerate_lower_sets`): depth-first over the groups in topological order,
+each lower set reached once, then sorted like the reference (by size, then value).
 """
 
 from cpython cimport array
@@ -699,3 +705,124 @@ cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
                 return -1
         i -= 1
     return 0
+
+
+# --------------------------------------------------------------------------- rotor (heterogeneous chains)
+
+
+cdef double _INF = float("inf")
+
+
+cdef struct _Chain:
+    Py_ssize_t n, width          # stages L; slots + 1 entries per row
+    const double* uf
+    const double* ub
+    const int64_t* wa            # L + 1 entries
+    const int64_t* wabar
+    const int64_t* of
+    const int64_t* ob
+    Py_ssize_t* row              # row[s * (L + 1) + t]: the row of C_BP(s, t, .)
+    double* cost
+    int32_t* choice
+
+
+cdef void _rotor_leaf(_Chain* c, Py_ssize_t s) noexcept nogil:
+    cdef Py_ssize_t i = s - 1, m
+    cdef Py_ssize_t r = c.row[s * (c.n + 1) + s] * c.width
+    cdef int64_t peak = max(c.wa[s] + c.wabar[i] + c.of[i], c.wa[s] + c.wabar[i] + c.wa[s - 1] + c.ob[i])
+    for m in range(peak, c.width):
+        c.cost[r + m] = c.uf[i] + c.ub[i]
+        c.choice[r + m] = 0
+
+
+cdef void _rotor_fall(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
+    cdef Py_ssize_t i = s - 1, m
+    cdef Py_ssize_t r = c.row[s * (c.n + 1) + t] * c.width
+    cdef Py_ssize_t rest = c.row[(s + 1) * (c.n + 1) + t] * c.width
+    cdef int64_t peak = max(c.wa[t] + c.wabar[i] + c.of[i], c.wa[s] + c.wabar[i] + c.wa[s - 1] + c.ob[i])
+    cdef double x
+    for m in range(peak, c.width):
+        x = c.uf[i] + c.cost[rest + m - c.wabar[i]] + c.ub[i]
+        if x < c.cost[r + m]:
+            c.cost[r + m] = x
+            c.choice[r + m] = 0
+
+
+cdef void _rotor_fck(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
+    cdef Py_ssize_t r = c.row[s * (c.n + 1) + t] * c.width, right, left, sp, m
+    cdef Py_ssize_t slots = c.width - 1
+    cdef int64_t fwd_peak = c.wa[t] + c.wa[s] + c.of[s - 1], held
+    cdef double fwd_time = 0.0, x
+    for sp in range(s + 1, t + 1):
+        if sp > s + 1:
+            fwd_peak = max(fwd_peak, c.wa[t] + c.wa[sp - 2] + c.wa[sp - 1] + c.of[sp - 2])
+        fwd_time += c.uf[sp - 2]
+        if fwd_peak > slots:
+            break
+        right = c.row[sp * (c.n + 1) + t] * c.width
+        left = c.row[s * (c.n + 1) + sp - 1] * c.width
+        held = c.wa[sp - 1]
+        for m in range(max(fwd_peak, held), slots + 1):
+            x = fwd_time + c.cost[right + m - held] + c.cost[left + m]
+            if x < c.cost[r + m]:
+                c.cost[r + m] = x
+                c.choice[r + m] = <int32_t> sp
+
+
+def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
+    """C_BP and its argmin for every sub-chain; same contract and values as the reference
+    :func:`fxremat.solvers.rotor.rotor_table` (times as doubles, added in the same order)."""
+    cdef Py_ssize_t n = len(uf), width = slots + 1, s, t, span, pairs = 0, k
+    cdef double[::1] fu = _array.array("d", [float(x) for x in uf])
+    cdef double[::1] fb = _array.array("d", [float(x) for x in ub])
+    cdef int64_t[::1] wa = _array.array("q", wa_slots)
+    cdef int64_t[::1] wabar = _array.array("q", wabar_slots)
+    cdef int64_t[::1] of = _array.array("q", of_slots)
+    cdef int64_t[::1] ob = _array.array("q", ob_slots)
+    cdef _Chain c
+    if not (fb.shape[0] == wabar.shape[0] == of.shape[0] == ob.shape[0] == n and wa.shape[0] == n + 1):
+        raise ValueError("fxremat._dp.rotor_table: uf, ub, wabar, of, ob need L entries and wa L + 1")
+    if slots < 0 or min(min(wa), min(wabar, default=0), min(of, default=0), min(ob, default=0)) < 0:
+        raise ValueError("fxremat._dp.rotor_table: sizes and slots must be non-negative")
+    if n == 0:
+        return [[None]], [[None]]
+    c.n, c.width = n, width
+    c.uf, c.ub, c.wa, c.wabar, c.of, c.ob = &fu[0], &fb[0], &wa[0], &wabar[0], &of[0], &ob[0]
+    c.row = <Py_ssize_t*> malloc((n + 1) * (n + 1) * sizeof(Py_ssize_t))
+    c.cost = <double*> malloc((n * (n + 1) // 2) * width * sizeof(double))
+    c.choice = <int32_t*> malloc((n * (n + 1) // 2) * width * sizeof(int32_t))
+    try:
+        if c.row == NULL or c.cost == NULL or c.choice == NULL:
+            raise MemoryError()
+        for s in range(1, n + 1):
+            for t in range(s, n + 1):
+                c.row[s * (n + 1) + t] = pairs
+                pairs += 1
+        with nogil:
+            for k in range(pairs * width):
+                c.cost[k], c.choice[k] = _INF, -1
+            for s in range(1, n + 1):
+                _rotor_leaf(&c, s)
+            for span in range(1, n):
+                for s in range(1, n - span + 1):
+                    t = s + span
+                    _rotor_fall(&c, s, t)
+                    _rotor_fck(&c, s, t)
+        return _rotor_lists(&c)
+    finally:
+        free(c.row)
+        free(c.cost)
+        free(c.choice)
+
+
+cdef tuple _rotor_lists(_Chain* c):
+    """The tables as the reference returns them: nested lists, ``None`` off the triangle."""
+    cdef Py_ssize_t s, t, m, r, n = c.n
+    cost_table = [[None] * (n + 1) for _ in range(n + 1)]
+    choice_table = [[None] * (n + 1) for _ in range(n + 1)]
+    for s in range(1, n + 1):
+        for t in range(s, n + 1):
+            r = c.row[s * (n + 1) + t] * c.width
+            cost_table[s][t] = [c.cost[r + m] for m in range(c.width)]
+            choice_table[s][t] = [c.choice[r + m] for m in range(c.width)]
+    return cost_table, choice_table

@@ -91,6 +91,7 @@ class Plan:
     timeline_bytes: tuple[int, ...] = field(default=(), repr=False)
     backward_start: int = 0
     graph_key: str = ""
+    notes: tuple[str, ...] = ()
 
     @property
     def recomputed_nodes(self) -> tuple[str, ...]:
@@ -107,6 +108,7 @@ class Plan:
             f"  predicted overhead {100 * self.predicted_overhead:>10.1f}%  of a plain training step",
             f"  solve time        {self.solve_seconds:>11.3f}s  ({self.num_nodes} nodes, "
             f"{self.num_lower_sets} lower sets)",
+            *[f"  note: {note}" for note in self.notes],
             "",
             f"  {'seg':>4} {'nodes':>6}  {'mode':<10} {'kept':>10}  first .. last  | kept values",
         ]

@@ -19,6 +19,7 @@ from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .lowersets import all_lower_sets, bits, pruned_family
 from .simulate import Schedule, simulate
+from . import _kernels
 from .solvers import chen, kusumoto
 
 __all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP"]
@@ -27,7 +28,8 @@ log = logging.getLogger("fxremat")
 
 STRATEGIES = ("auto", "exact", "approx", "chen", "sequential", "none")
 _KUSUMOTO = ("auto", "exact", "approx")
-DEFAULT_EXACT_CAP = 2_000
+DEFAULT_EXACT_CAP = None  # 20,000 lower sets with the compiled kernels, 2,000 with the reference
+_EXACT_CAP = {"cython": 20_000, "python": 2_000}
 _BISECT_STEPS = 8
 _MIN_LADDER = (1.02, 1.05, 1.1, 1.2, 1.35, 1.5)
 
@@ -45,6 +47,7 @@ class Choice:
     recompute_time: int
     solve_seconds: float
     num_lower_sets: int
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,13 @@ def _ordered_graph(graph: CostGraph) -> CostGraph:
     return dataclasses.replace(graph, preds=preds, succs=tuple(tuple(x) for x in succs))
 
 
-def _family(graph: CostGraph, strategy: str, cap: int):
+def resolve_exact_cap(cap: int | None) -> int:
+    """The cap on lower sets for the exact DP: ``cap``, or the default of the kernels in use."""
+    return _EXACT_CAP[_kernels.current()] if cap is None else cap
+
+
+def _family(graph: CostGraph, strategy: str, cap: int | None):
+    cap = resolve_exact_cap(cap)
     preds = ordered_preds(graph)
     if strategy == "approx":
         return pruned_family(preds, anchor=graph.anchor), "approx"
@@ -112,8 +121,8 @@ def _family(graph: CostGraph, strategy: str, cap: int):
             f"fxremat: strategy='exact' needs more than exact_cap={cap} lower sets for this graph "
             f"({graph.n} nodes); raise exact_cap= or use strategy='approx' or 'auto'"
         )
-    log.info("fxremat: more than %d lower sets; using the approximate DP", cap)
-    return pruned_family(preds, anchor=graph.anchor), "approx"
+    log.info("fxremat: more than exact_cap=%d lower sets in this graph; using the approximate DP", cap)
+    return pruned_family(preds, anchor=graph.anchor), "approx (exact capped)"
 
 
 def _schedule(lower_sets) -> Schedule:
@@ -204,11 +213,16 @@ class _Fixed:
         return best
 
 
-def _sources(graph: CostGraph, strategy: str, exact_cap: int) -> dict:
+def _sources(graph: CostGraph, strategy: str, exact_cap: int | None):
     """The strategy's candidate sources by name, and the number of lower sets searched."""
-    sources, sets = {}, 0
+    sources, sets, notes = {}, 0, ()
+    used = None
     if strategy in _KUSUMOTO:
         family, used = _family(graph, strategy, exact_cap)
+        if used == "approx (exact capped)":
+            used = "approx"
+            notes = (f"the exact DP was skipped: this graph has more than exact_cap={resolve_exact_cap(exact_cap)} "
+                     "lower sets (raise exact_cap= to force it)",)
         sources[used], sets = _Solver(graph, family), len(family)
     if strategy == "auto" and used == "exact":
         # The DP optimises an upper bound of the peak, so the approximate family's optimum can
@@ -219,7 +233,7 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int) -> dict:
         sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
     if strategy in ("auto", "sequential"):
         sources["sequential"] = _Fixed(graph, chen.sequential_candidates(ordered))
-    return sources, sets
+    return sources, sets, notes
 
 
 def _least(source) -> _Candidate | None:
@@ -232,7 +246,7 @@ def _within(source, target: int, least: _Candidate | None) -> _Candidate | None:
     return _fastest_within(source, target, least) if isinstance(source, _Solver) else source.fastest_within(target)
 
 
-def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int = DEFAULT_EXACT_CAP) -> Choice:
+def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"chen"``, ``"sequential"`` (chain
@@ -248,18 +262,18 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         if target is not None and target < baseline:
             raise InfeasibleBudgetError(target, baseline)
         return Choice(plain, "none", "time-centric", target or baseline, baseline, baseline, 0, 0.0, 0)
-    sources, sets = _sources(graph, strategy, exact_cap)
+    sources, sets, notes = _sources(graph, strategy, exact_cap)
     least = {name: _least(src) for name, src in sources.items()}
     floor_name = min((n for n in least if least[n]), key=lambda n: (least[n].peak_bytes, least[n].recompute_time))
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731
     if target is None:
         return Choice(floor.schedule, floor_name, "memory-centric", floor.peak_bytes, baseline,
-                      floor.peak_bytes, floor.recompute_time, seconds(), sets)
+                      floor.peak_bytes, floor.recompute_time, seconds(), sets, notes)
     if target < floor.peak_bytes:
         raise InfeasibleBudgetError(target, floor.peak_bytes)
     picks = {name: _within(src, target, least[name]) for name, src in sources.items()}
     name = min((n for n in picks if picks[n]), key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes))
     best = picks[name]
     return Choice(best.schedule, name, "time-centric", target, baseline, best.peak_bytes,
-                  best.recompute_time, seconds(), sets)
+                  best.recompute_time, seconds(), sets, notes)

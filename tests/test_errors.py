@@ -50,5 +50,7 @@ def test_not_a_module():
 def test_exact_over_the_cap_says_what_to_do():
     with pytest.raises(ValueError, match="exact_cap=.*strategy='approx'"):
         fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="exact", exact_cap=3)
+    plan = fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="approx", exact_cap=3)
+    assert plan.strategy == "approx" and not plan.notes
     plan = fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="auto", exact_cap=3)
-    assert plan.strategy == "approx"
+    assert plan.strategy != "exact" and "exact_cap=3" in plan.notes[0] and "exact_cap=3" in plan.summary()

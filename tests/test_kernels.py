@@ -131,8 +131,10 @@ def test_large_graphs_identical(graph):
 def test_kernel_signatures_match():
     from fxremat import _dp
 
+    from fxremat.solvers.rotor import rotor_table
+
     pairs = [(enumerate_lower_sets, _dp.enumerate_lower_sets), (kusumoto.set_tables, _dp.set_tables),
-             (kusumoto.solve_dp, _dp.solve_dp)]
+             (kusumoto.solve_dp, _dp.solve_dp), (rotor_table, _dp.rotor_table)]
     for ref, fast in pairs:
         assert list(inspect.signature(ref).parameters) == list(inspect.signature(fast).parameters)
 
@@ -148,6 +150,29 @@ def test_fixture_graphs_identical(name):
     for budget, objective in [(None, "memory"), (int(least * 1.3), "time")]:
         ref, fast = run_both(lambda: kusumoto.solve(graph, ref_tables, budget=budget, objective=objective))
         assert ref == fast
+
+
+@st.composite
+def chain_tables(draw):
+    """Arguments of rotor_table: a random chain in slot units and a slot count."""
+    n = draw(st.integers(0, 6))
+    ints = lambda hi, size=n: draw(st.lists(st.integers(0, hi), min_size=size, max_size=size))  # noqa: E731
+    times = st.floats(0, 10, allow_nan=False) | st.integers(0, 10)
+    wa = ints(4, n + 1)
+    wabar = [wa[i + 1] + extra for i, extra in enumerate(ints(4))]
+    uf = draw(st.lists(times, min_size=n, max_size=n))
+    ub = draw(st.lists(times, min_size=n, max_size=n))
+    return uf, ub, wa, wabar, ints(3), ints(3), draw(st.integers(0, 30))
+
+
+@needs_compiled
+@FAST
+@given(chain_tables())
+def test_rotor_table_identical(args):
+    from fxremat import _dp
+    from fxremat.solvers.rotor import rotor_table
+
+    assert _dp.rotor_table(*args) == rotor_table(*args)
 
 
 # --------------------------------------------------------------------------- oracles

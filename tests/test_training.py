@@ -465,13 +465,13 @@ def test_integer_and_boolean_tensors_through_the_graph():
 
 
 def test_plan_cache_stays_bounded_when_the_input_shape_changes_every_call():
-    plain, compiled = _compiled_pair(small_unet, budget="min", example=None, max_plans=3)
+    plain, compiled = _compiled_pair(small_unet, budget="min", example=None, max_plans=2)
     emitted = []
-    for size in range(16, 80, 8):  # 8 shapes, each planned once
+    for size in range(16, 56, 8):  # 5 shapes, each planned once
         x = torch.randn(1, 3, size, size)
         assert torch.equal(train_step(plain, x), train_step(compiled, x))
         emitted.append(weakref.ref(compiled.graph_module))
-        assert len(compiled._remat.cache) <= 3
+        assert len(compiled._remat.cache) <= 2
     assert_same_state(plain, compiled)
     gc.collect()
-    assert sum(ref() is not None for ref in emitted) == 3, "evicted plans are still alive"
+    assert sum(ref() is not None for ref in emitted) == 2, "evicted plans are still alive"

@@ -58,12 +58,11 @@ class Tables:
     """Per-lower-set quantities of the DP, packed for the kernels.
 
     ``sets`` is the family (bitsets sorted by size then value, ∅ first, V last). The kernels'
-    inputs are flat machine arrays kept as bytes: ``set_words`` the same sets and
-    ``keep_words`` the bitset of the storage owners of ∂(L) per set and ``top_words`` that of
-    the maximal nodes of L (no successor in L; a lower set contains L iff it contains them)
-    (``words(n)`` uint64 words each, see :func:`fxremat.lowersets.pack`); int64 per set
-    ``grad_boundary`` G(∂(L)),
-    ``prefix_time`` T(L) and ``prefix_saved`` Σ_{v ∈ L} (S + E + G). ``coarse`` is the same
+    inputs are flat machine arrays kept as bytes. Bitsets, ``words(n)`` uint64 words per set
+    (see :func:`fxremat.lowersets.pack`): ``set_words`` the sets themselves, ``keep_words``
+    the storage owners of ∂(L), ``top_words`` the maximal nodes of L (no successor in L; a
+    lower set contains L iff it contains them). Int64 per set: ``grad_boundary`` G(∂(L)),
+    ``prefix_time`` T(L), ``prefix_saved`` Σ_{v ∈ L} (S + E + G). ``coarse`` holds the same
     for the approximate family {L^v} inside ``sets`` (``None`` when that is all of it); its
     solutions bound the search over ``sets`` (see :func:`solve`).
     """
@@ -126,8 +125,8 @@ def _select(tables: Tables, rows: list[int]) -> Tables:
         return b"".join(data[size * i:size * (i + 1)] for i in rows)
 
     return Tables(tuple(tables.sets[i] for i in rows), tables.n, pick(tables.set_words, wide),
-                  pick(tables.keep_words, wide), pick(tables.top_words, wide), pick(tables.grad_boundary, 8),
-                  pick(tables.prefix_time, 8), pick(tables.prefix_saved, 8))
+                  pick(tables.keep_words, wide), pick(tables.top_words, wide),
+                  pick(tables.grad_boundary, 8), pick(tables.prefix_time, 8), pick(tables.prefix_saved, 8))
 
 
 def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time"):
@@ -190,10 +189,11 @@ def _peak_bound(graph: CostGraph, tables: Tables, budget):
 
 def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit):
     kernel = _kernels.pick(solve_dp, "solve_dp")
-    return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"), _view(tables.top_words, "Q"),
-                  _view(tables.grad_boundary, "q"), _view(tables.prefix_time, "q"),
-                  _view(tables.prefix_saved, "q"), array("q", graph.out_bytes),
-                  array("q", graph.transient_bytes), graph.loss_bytes, budget, objective, time_limit)
+    return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"),
+                  _view(tables.top_words, "Q"), _view(tables.grad_boundary, "q"),
+                  _view(tables.prefix_time, "q"), _view(tables.prefix_saved, "q"),
+                  array("q", graph.out_bytes), array("q", graph.transient_bytes), graph.loss_bytes,
+                  budget, objective, time_limit)
 
 
 # --------------------------------------------------------------------------- reference kernels

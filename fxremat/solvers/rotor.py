@@ -86,6 +86,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, Union
 
+from .. import _kernels
+
 __all__ = [
     "FALL", "FCK", "FN", "BWD", "ChainCosts", "CheckpointSegment", "PlainStage",
     "RotorSchedule", "flatten_nested", "rotor_table", "simulate_schedule", "solve_rotor",
@@ -283,7 +285,8 @@ def solve_rotor(costs: ChainCosts, memory_bytes: int, *, slots: int = 500) -> Ro
     avail = slots - sl.wa[0]  # Algorithm 1 solves C_BP(1, L, M - ω_a^0)
     if avail < 0:
         return None
-    cost_table, choice_table = rotor_table(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar),
+    table = _kernels.pick(rotor_table, "rotor_table")  # the Cython kernel when it is built
+    cost_table, choice_table = table(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar),
                                            list(sl.of), list(sl.ob), slots)
     if cost_table[1][n][avail] == INF:
         return None
