@@ -73,7 +73,8 @@ def train_step(model, optimizer, x, target, seed):
     """One SGD step; the RNG is seeded so both models draw the same dropout masks."""
     torch.manual_seed(seed)
     optimizer.zero_grad(set_to_none=False)
-    loss = F.cross_entropy(model(x), target)
+    out = model(x)  # held until the step ends, as training loops usually do
+    loss = F.cross_entropy(out, target)
     loss.backward()
     optimizer.step()
     return loss.item()
