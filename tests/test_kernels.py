@@ -202,6 +202,21 @@ def test_lower_sets_are_antichain_closures(dp_impl, graph):
 
 
 @FAST
+@given(cost_graphs(max_nodes=10, min_nodes=1))
+def test_approximate_never_better_than_exact(dp_impl, graph):
+    exact = kusumoto.build_tables(graph, exact_family(graph))
+    approx = kusumoto.build_tables(graph, approx_family(graph))
+    least_exact = kusumoto.solve(graph, exact, objective="memory")
+    least_approx = kusumoto.solve(graph, approx, objective="memory")
+    assert least_exact.peak_bytes <= least_approx.peak_bytes
+    for budget in budgets_for(graph, approx) + budgets_for(graph, exact):
+        a = kusumoto.solve(graph, approx, budget=budget)
+        e = kusumoto.solve(graph, exact, budget=budget)
+        if a is not None:
+            assert e is not None and e.time <= a.time
+
+
+@FAST
 @given(cost_graphs(max_nodes=brute.MAX_NODES, min_nodes=1), st.data())
 def test_exact_dp_matches_brute_force(dp_impl, graph, data):
     tables = kusumoto.build_tables(graph, exact_family(graph))
