@@ -273,9 +273,6 @@ def test_deepcopy_is_an_independent_compiled_module():
     assert_same_state(plain, twin)
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "fxremat.passes.trace._LeafTracer.__init__ needs defaults: GraphModule unpickling re-creates "
-    "the tracer class with no arguments"))
 def test_whole_module_pickle_round_trip():
     plain, compiled = _compiled_pair(ScaledNet)
     buffer = io.BytesIO()

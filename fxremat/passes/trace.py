@@ -40,7 +40,8 @@ _INPLACE_OPERATORS = {
 class _LeafTracer(fx.Tracer):
     """An fx.Tracer that keeps the configured leaves and remembers the module being traced."""
 
-    def __init__(self, leaf_classes: tuple, leaf_names: frozenset):
+    def __init__(self, leaf_classes: tuple = (), leaf_names: frozenset = frozenset()):
+        # Defaults: unpickling a GraphModule re-creates its tracer class with no arguments.
         super().__init__()
         self.leaf_classes = leaf_classes
         self.leaf_names = leaf_names
