@@ -8,6 +8,7 @@ torchvision 0.29: ~10 min on two cores, ~12 GB of memory for vit_h_14 and regnet
 """
 
 import copy
+import gc
 import os
 import time
 import warnings
@@ -107,7 +108,14 @@ def check(name: str) -> dict:
     }
 
 
+@pytest.fixture(autouse=True)
+def _collect_garbage():
+    yield
+    # A GraphModule and its Graph reference each other: without a collection, the models of
+    # earlier tests (up to GBs each) stay alive until Python's next full collection.
+    gc.collect()
+
+
 @pytest.mark.parametrize("name", zoo_models())
 def test_torchvision_model_trains_exactly_within_budget(name):
-    result = check(name)
-    assert result["strategy"] in ("exact", "approx", "none")
+    check(name)
