@@ -472,3 +472,29 @@ def test_plan_cache_stays_bounded_when_the_input_shape_changes_every_call():
     assert_same_state(plain, compiled)
     gc.collect()
     assert sum(ref() is not None for ref in emitted) == 2, "evicted plans are still alive"
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the storages of every tensor Python still tracks, after a full collection."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided:
+            storage = obj.untyped_storage()
+            storages[storage._cdata] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_planning_keeps_no_profiling_tensors_alive():
+    torch.manual_seed(0)
+    model = small_unet()
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    compiled = fxremat.compile(model, "min", cost_model="flops", max_plans=1)
+    first_parameter = weakref.ref(next(model.parameters()))
+    before = _live_tensor_bytes()
+    for size in (16, 24, 32, 40):  # four signatures, one plan kept
+        train_step(compiled, torch.randn(1, 3, size, size))
+    assert _live_tensor_bytes() - before <= grad_bytes + 2**16, "planning left tensors alive"
+    del compiled, model
+    gc.collect()
+    assert first_parameter() is None, "the model outlives its compiled module"

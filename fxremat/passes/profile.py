@@ -101,7 +101,9 @@ class _SavedRecorder:
         key = _storage_key(t)
         if key is not None:
             self.saved[key] = t.untyped_storage().nbytes()
-        return t
+        # A detached alias (same storage): keeping ``t`` itself would make the cycle
+        # tensor -> grad_fn -> saved tensor, which runs through C++ where gc cannot free it.
+        return t.detach()
 
     @staticmethod
     def unpack(t):
