@@ -68,7 +68,7 @@ def _group_ancestors(gpreds: dict, g: int) -> set:
 
 
 def ordered_preds(graph: CostGraph) -> tuple[tuple[int, ...], ...]:
-    """Predecessors plus precedence edges that keep, for every value with three or more
+    """Predecessors plus precedence edges that keep, for every value with two or more
     consumers, its consumers in traced order. Autograd sums a value's gradient contributions in
     the order its consumers ran; with three or more terms another order changes the float sum,
     so strategies whose lower sets respect these edges give bitwise-equal gradients. So are the
@@ -80,7 +80,7 @@ def ordered_preds(graph: CostGraph) -> tuple[tuple[int, ...], ...]:
     gpreds: dict[int, set] = {}
     for v, ps in enumerate(graph.preds):
         gpreds.setdefault(anchor[v], set()).update(anchor[p] for p in ps if anchor[p] != anchor[v])
-    chains = [sorted(graph.succs[v]) for v in range(graph.n) if len(graph.succs[v]) >= 3]
+    chains = [sorted(graph.succs[v]) for v in range(graph.n) if len(graph.succs[v]) >= 2]  # a consumer may use a value twice
     chains.append([v for v in range(graph.n) if graph.uses_rng and graph.uses_rng[v]])
     chains += [list(c) for c in graph.order_chains]
     for users in chains:
