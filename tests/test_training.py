@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import fxremat
 from fxremat.runtime import recompute
-from _models import assert_same_state, loss_of, pair, small_unet, train_step
+from _models import assert_same_state, loss_of, pair, small_unet, train_step, with_grads
 
 SHAPE = (2, 3, 32, 32)
 BF16 = {"rtol": 1.6e-2, "atol": 1e-3}  # bfloat16 has 8 significant bits
@@ -363,44 +363,138 @@ class NoGradFeatures(nn.Module):
 
 
 class PartlyNoGrad(nn.Module):
-    """A frozen feature extractor run under torch.no_grad() inside forward, then trained layers."""
+    """A frozen feature extractor run under torch.no_grad() inside forward, then trained layers.
 
-    def __init__(self, c=8, inline=True):
+    ``mode``: "inline" (``with torch.no_grad():`` in this forward), "submodule" (in the forward
+    of ``features``) or "inference" (``with torch.inference_mode():`` here, then a clone)."""
+
+    def __init__(self, c=8, mode="inline"):
         super().__init__()
-        self.inline = inline
+        self.mode = mode
         self.features = NoGradFeatures(c)
         self.body = nn.Sequential(*[_block(c) for _ in range(3)])
         self.head = nn.Conv2d(c, 4, 1)
 
     def forward(self, x):
-        if self.inline:
+        if self.mode == "inline":
             with torch.no_grad():
                 f = self.features.net(x)
+        elif self.mode == "inference":
+            with torch.inference_mode():
+                f = self.features.net(x)
+            f = f.clone()  # a normal tensor again, which autograd may save
         else:
             f = self.features(x)
         return self.head(self.body(f))
 
 
-def _check_no_grad_model(inline, **kwargs):
+def _check_no_grad_model(mode, steps=1, **kwargs):
     torch.manual_seed(0)
-    plain, model = pair(PartlyNoGrad(inline=inline))
+    plain, model = pair(PartlyNoGrad(mode=mode))
     x = torch.randn(*SHAPE)
     compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops", **kwargs)
-    train_step(plain, x), train_step(compiled, x)
-    assert all(p.grad is None for p in plain.features.parameters())
-    assert all(p.grad is None for p in compiled.features.parameters()), "the no_grad region got gradients"
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, compiled)]
+    for step in range(steps):
+        for m, opt in zip((plain, compiled), opts):
+            opt.zero_grad(set_to_none=True)
+            train_step(m, x, seed=step)
+        assert all(p.grad is None for p in plain.features.parameters())
+        assert all(p.grad is None for p in compiled.features.parameters()), "the no_grad region got gradients"
+        assert all(p.grad is not None for p in compiled.body.parameters())
+        assert_same_state(plain, compiled)
+        for opt in opts:
+            opt.step()
     assert_same_state(plain, compiled)
+    return compiled
+
+
+def _recomputed_nodes(compiled) -> set:
+    return {n for s in compiled.plan.segments if s.recomputed for n in s.nodes}
 
 
 def test_no_grad_region_in_a_leaf_submodule():
-    _check_no_grad_model(False, leaf_modules=(NoGradFeatures,))
+    _check_no_grad_model("submodule", leaf_modules=(NoGradFeatures,))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.fx symbolic tracing does not record `with torch.no_grad():` inside forward; fxremat "
-    "then trains that region silently (it should raise, or keep the region out of autograd)"))
-def test_no_grad_region_inline_in_forward():
-    _check_no_grad_model(True)
+@pytest.mark.parametrize("mode", ["inline", "submodule", "inference"])
+def test_no_grad_region_inside_forward_stays_out_of_autograd(mode):
+    """torch.fx does not record `with torch.no_grad():`; the tracer notes the grad mode of the
+    nodes it creates and the emitted graph runs them under it again, recomputation included."""
+    compiled = _check_no_grad_model(mode, steps=2)
+    assert {"features_net_0", "features_net_2"} <= _recomputed_nodes(compiled)
+    expected = "inference_mode" if mode == "inference" else "no_grad"
+    assert compiled.code.count(f"fxremat_grad_mode = '{expected}'") == 3  # the three feature layers
+
+
+class SharedUnderNoGrad(nn.Module):
+    """One block (with BatchNorm) called under no_grad for a gate and again with gradients; a
+    function and a method inside the no_grad region; a factory call in it."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.block = _block(c)
+        self.mid = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        with torch.no_grad():
+            ref = self.block(h)
+            gate = torch.sigmoid(ref.mean(dim=(2, 3), keepdim=True)) + torch.zeros(1)
+        out = self.mid(self.block(h) * gate + ref)
+        return self.head(out)
+
+
+def test_shared_module_called_with_and_without_grad_keeps_order_and_statistics():
+    torch.manual_seed(0)
+    plain, model = pair(SharedUnderNoGrad())
+    x = torch.randn(*SHAPE)
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert any(s.recomputed for s in compiled.plan.segments)
+    for m in (plain, compiled):
+        fxremat.measure_peak(train_step, with_grads(m), x)  # warm .grad, so peaks are activations only
+        m.zero_grad(set_to_none=False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, compiled)]
+    for step in range(1, 3):
+        peaks = []
+        for m, opt in zip((plain, compiled), opts):
+            opt.zero_grad(set_to_none=False)
+            peaks.append(fxremat.measure_peak(train_step, m, x, seed=step)[1])
+        # BatchNorm statistics of both calls, once each per step and in the traced order.
+        assert_same_state(plain, compiled)
+        for opt in opts:
+            opt.step()
+    assert compiled.block[1].num_batches_tracked.item() == 2 * 3  # two calls per step, three steps
+    assert peaks[1] <= compiled.plan.budget_bytes * 1.05 and peaks[1] < peaks[0]
+
+
+def test_compiling_under_no_grad_does_not_freeze_the_model():
+    torch.manual_seed(0)
+    plain, model = pair(ScaledNet())
+    x = torch.randn(*SHAPE)
+    with torch.no_grad():
+        compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert "fxremat_grad_mode" not in compiled.code
+    assert torch.equal(train_step(plain, x), train_step(compiled, x))
+    assert all(p.grad is not None for p in compiled.parameters())
+    assert_same_state(plain, compiled)
+
+
+def test_no_grad_regions_survive_pickling_and_deepcopy():
+    plain = _check_no_grad_model("inline")
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    twin = copy.deepcopy(plain)
+    x = torch.randn(*SHAPE)
+    for m in (plain, loaded, twin):
+        m.zero_grad(set_to_none=True)
+        train_step(m, x, seed=3)
+        assert all(p.grad is None for p in m.features.parameters()), "the no_grad region got gradients"
+    assert_same_state(plain, loaded)
+    assert_same_state(plain, twin)
 
 
 # --- integer and boolean tensors ---------------------------------------------------------------
