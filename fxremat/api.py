@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import inspect
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -133,6 +134,35 @@ def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
     return rewrite(gm, segments, [s.recomputed for s in the_plan.segments], mutated)
 
 
+def _wrappers() -> list[tuple[type, str, str]]:
+    """(class, attribute holding the wrapped model, how to wrap the compiled one) of the wrappers
+    fxremat must not trace through. FSDP1 and torch.compile are only looked up once imported (a
+    model cannot be wrapped by them otherwise), so this costs no import."""
+    found = [(torch.nn.parallel.DistributedDataParallel, "module", "DistributedDataParallel(remat)"),
+             (torch.nn.DataParallel, "module", "DataParallel(remat)")]
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    if fsdp is not None:
+        found.append((fsdp.FullyShardedDataParallel, "module", "FullyShardedDataParallel(remat)"))
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    if dynamo is not None:
+        found.append((dynamo.OptimizedModule, "_orig_mod", "torch.compile(remat)"))
+    return found
+
+
+def _check_unwrapped(model: torch.nn.Module, api: str) -> None:
+    """Refuse a model already wrapped by DDP, DataParallel, FSDP or torch.compile."""
+    for cls, inner, wrap in _wrappers():
+        if isinstance(model, cls):
+            kind = type(model)
+            raise TypeError(
+                f"fxremat.{api}: got a {kind.__module__}.{kind.__qualname__}, a wrapper around the model "
+                f"(its .{inner}); fxremat must see the model itself. Compile the inner model, then wrap "
+                f"it: remat = fxremat.{api}(model, budget, ...), then {wrap}"
+                + ("; with DDP pass cost_model='flops' so every rank makes the same plan"
+                   if wrap.startswith("Distributed") else "")
+            )
+
+
 def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
          leaf_modules=(), **options) -> Plan:
     """Plan recomputation for ``model`` on ``example_inputs`` under ``budget`` without rewriting.
@@ -140,6 +170,7 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
     See :func:`compile` for the arguments. Raises :class:`fxremat.InfeasibleBudgetError` when
     no plan fits the budget.
     """
+    _check_unwrapped(model, "plan")
     config = _config(budget, strategy, cost_model, options)
     gm = trace(model, leaf_modules=leaf_modules)
     return _plan_traced(gm, _as_tuple(example_inputs), config)[0]
@@ -163,6 +194,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_unwrapped(model, "compile")
     config = _config(budget, strategy, cost_model, options)
     remat = RematModule(model, trace(model, leaf_modules=leaf_modules), config)
     if example_inputs is not None:

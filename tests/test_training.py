@@ -497,6 +497,69 @@ def test_no_grad_regions_survive_pickling_and_deepcopy():
     assert_same_state(plain, twin)
 
 
+# --- models already wrapped by DDP, DataParallel, FSDP or torch.compile -------------------------
+
+
+@pytest.fixture
+def one_process_gloo(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_wrapper_refused(wrapped, type_name, wrap):
+    x = torch.randn(*SHAPE)
+    for api, call in (("compile", lambda: fxremat.compile(wrapped, "min", example_inputs=(x,))),
+                      ("plan", lambda: fxremat.plan(wrapped, "min", example_inputs=(x,)))):
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert f"fxremat.{api}: got a " in message and type_name in message, message
+        assert "Compile the inner model, then wrap it" in message and wrap in message, message
+    return message
+
+
+def test_ddp_wrapped_model_is_refused_and_compile_then_wrap_trains(one_process_gloo):
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    plain, model = pair(ScaledNet())
+    message = _assert_wrapper_refused(DistributedDataParallel(copy.deepcopy(model)),
+                                      "torch.nn.parallel.distributed.DistributedDataParallel",
+                                      "DistributedDataParallel(remat)")
+    assert "cost_model='flops'" in message
+    # The order the message asks for: compile, then wrap (one rank: DDP's all-reduce is the identity).
+    x = torch.randn(*SHAPE)
+    ddp = DistributedDataParallel(fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops"))
+    for step in range(2):
+        assert torch.equal(train_step(plain, x, seed=step), train_step(ddp, x, seed=step))
+        assert_same_state(plain, model)
+    assert any(s.recomputed for s in ddp.module.plan.segments)
+
+
+def test_data_parallel_and_torch_compile_wrapped_models_are_refused():
+    _assert_wrapper_refused(nn.DataParallel(ScaledNet()), "DataParallel", "DataParallel(remat)")
+    _assert_wrapper_refused(torch.compile(ScaledNet()), "torch._dynamo.eval_frame.OptimizedModule",
+                            "torch.compile(remat)")
+
+
+def test_fsdp1_wrapped_model_is_refused():
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+
+    class Unsharded(fsdp.FullyShardedDataParallel):
+        """FSDP1 needs an accelerator to construct; the check only looks at the class."""
+
+        def __init__(self):
+            nn.Module.__init__(self)
+
+    _assert_wrapper_refused(Unsharded(), "Unsharded", "FullyShardedDataParallel(remat)")
+
+
 # --- integer and boolean tensors ---------------------------------------------------------------
 
 
