@@ -26,6 +26,7 @@ from cpython cimport array
 import array as _array
 import math
 
+from libc.float cimport DBL_MAX
 from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc, qsort, realloc
 from libc.string cimport memcpy, memmove, memset
@@ -712,6 +713,16 @@ cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
 
 cdef double _INF = float("inf")
 
+cdef enum:
+    _SLOT_BLOCK = 16             # F_ck: m in blocks of this many slots, each skipped if it cannot win
+    _STAGE_BLOCK = 8             # rows computed for this many start stages s at a time (cache reuse)
+
+
+
+cdef struct _RowInfo:
+    Py_ssize_t first             # least m with a finite cost (width if none)
+    double least                 # cost at m = slots, the row's minimum
+
 
 cdef struct _Chain:
     Py_ssize_t n, width          # stages L; slots + 1 entries per row
@@ -721,58 +732,116 @@ cdef struct _Chain:
     const int64_t* wabar
     const int64_t* of
     const int64_t* ob
-    Py_ssize_t* row              # row[s * (L + 1) + t]: the row of C_BP(s, t, .)
-    double* cost
-    int32_t* choice
+    double* cost                 # the flat tables: row (s, t) at _rotor_row(L, s, t) * width
+    int* choice
+    _RowInfo* info               # per row: where it turns finite and its least value
+
+
+cdef inline Py_ssize_t _rotor_row(Py_ssize_t n, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
+    return (s - 1) * (n + 1) - (s - 1) * s // 2 + (t - s)
+
+
+cdef inline Py_ssize_t _rotor_first_at_most(const double* row, Py_ssize_t lo, Py_ssize_t hi,
+                                            double bound) noexcept nogil:
+    """Least m in [lo, hi) with row[m] <= bound (hi if none); row is nonincreasing in m."""
+    cdef Py_ssize_t mid
+    while lo < hi:
+        mid = lo + (hi - lo) // 2
+        if row[mid] <= bound:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 cdef void _rotor_leaf(_Chain* c, Py_ssize_t s) noexcept nogil:
     cdef Py_ssize_t i = s - 1, m
-    cdef Py_ssize_t r = c.row[s * (c.n + 1) + s] * c.width
+    cdef double* cost = c.cost + _rotor_row(c.n, s, s) * c.width
+    cdef int* choice = c.choice + _rotor_row(c.n, s, s) * c.width
     cdef int64_t peak = max(c.wa[s] + c.wabar[i] + c.of[i], c.wa[s] + c.wabar[i] + c.wa[s - 1] + c.ob[i])
     for m in range(peak, c.width):
-        c.cost[r + m] = c.uf[i] + c.ub[i]
-        c.choice[r + m] = 0
+        cost[m] = c.uf[i] + c.ub[i]
+        choice[m] = 0
 
 
 cdef void _rotor_fall(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
-    cdef Py_ssize_t i = s - 1, m
-    cdef Py_ssize_t r = c.row[s * (c.n + 1) + t] * c.width
-    cdef Py_ssize_t rest = c.row[(s + 1) * (c.n + 1) + t] * c.width
+    cdef Py_ssize_t i = s - 1, m, below = c.wabar[s - 1]
+    cdef double* cost = c.cost + _rotor_row(c.n, s, t) * c.width
+    cdef int* choice = c.choice + _rotor_row(c.n, s, t) * c.width
+    cdef Py_ssize_t r = _rotor_row(c.n, s + 1, t)
+    cdef const double* rest = c.cost + r * c.width
     cdef int64_t peak = max(c.wa[t] + c.wabar[i] + c.of[i], c.wa[s] + c.wabar[i] + c.wa[s - 1] + c.ob[i])
-    cdef double x
-    for m in range(peak, c.width):
-        x = c.uf[i] + c.cost[rest + m - c.wabar[i]] + c.ub[i]
-        if x < c.cost[r + m]:
-            c.cost[r + m] = x
-            c.choice[r + m] = 0
+    # The row is all inf so far, and rest is inf below its first (the reference leaves inf, -1)
+    for m in range(max(peak, below + c.info[r].first), c.width):
+        cost[m] = c.uf[i] + rest[m - below] + c.ub[i]
+        choice[m] = 0
 
 
 cdef void _rotor_fck(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
-    cdef Py_ssize_t r = c.row[s * (c.n + 1) + t] * c.width, right, left, sp, m
-    cdef Py_ssize_t slots = c.width - 1
-    cdef int64_t fwd_peak = c.wa[t] + c.wa[s] + c.of[s - 1], held
-    cdef double fwd_time = 0.0, x
+    """The reference's loops, skipping only m where the split cannot win (its value is inf,
+    or at least the row's current value, which is nonincreasing in m, as is every C_BP row)."""
+    cdef Py_ssize_t a, b, sp, m, lo, hi, right, left, held, slots = c.width - 1
+    cdef double* cost = c.cost + _rotor_row(c.n, s, t) * c.width
+    cdef int* choice = c.choice + _rotor_row(c.n, s, t) * c.width
+    cdef const double* rt
+    cdef const double* lf
+    cdef int64_t fwd_peak = c.wa[t] + c.wa[s] + c.of[s - 1]
+    cdef double fwd_time = 0.0, x, bound
     for sp in range(s + 1, t + 1):
         if sp > s + 1:
             fwd_peak = max(fwd_peak, c.wa[t] + c.wa[sp - 2] + c.wa[sp - 1] + c.of[sp - 2])
         fwd_time += c.uf[sp - 2]
         if fwd_peak > slots:
             break
-        right = c.row[sp * (c.n + 1) + t] * c.width
-        left = c.row[s * (c.n + 1) + sp - 1] * c.width
+        right = _rotor_row(c.n, sp, t)
+        left = _rotor_row(c.n, s, sp - 1)
         held = c.wa[sp - 1]
-        for m in range(max(fwd_peak, held), slots + 1):
-            x = fwd_time + c.cost[right + m - held] + c.cost[left + m]
-            if x < c.cost[r + m]:
-                c.cost[r + m] = x
-                c.choice[r + m] = <int32_t> sp
+        lo = max(max(<Py_ssize_t> fwd_peak, held), max(c.info[left].first, held + c.info[right].first))
+        if lo > slots:
+            continue
+        rt = c.cost + right * c.width
+        lf = c.cost + left * c.width
+        # Floating-point addition is monotone and both rows are least at m = slots, so no m
+        # beats this bound; cost[m] <= bound from hi on.
+        bound = fwd_time + c.info[right].least + c.info[left].least
+        hi = _rotor_first_at_most(cost, lo, c.width, bound)
+        a = lo
+        while a < hi:
+            b = min(hi, (a // _SLOT_BLOCK + 1) * _SLOT_BLOCK)
+            if cost[a] <= fwd_time + rt[b - 1 - held] + lf[b - 1]:
+                a = b
+                continue
+            for m in range(a, b):
+                x = fwd_time + rt[m - held] + lf[m]
+                if x < cost[m]:
+                    cost[m] = x
+                    choice[m] = <int> sp
+            a = b
+
+
+cdef void _rotor_pair(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
+    cdef Py_ssize_t r = _rotor_row(c.n, s, t), m
+    cdef double* cost = c.cost + r * c.width
+    cdef int* choice = c.choice + r * c.width
+    for m in range(c.width):
+        cost[m], choice[m] = _INF, -1
+    if s == t:
+        _rotor_leaf(c, s)
+    else:
+        _rotor_fall(c, s, t)
+        _rotor_fck(c, s, t)
+    c.info[r].first = _rotor_first_at_most(cost, 0, c.width, DBL_MAX)
+    c.info[r].least = cost[c.width - 1]
 
 
 def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
-    """C_BP and its argmin for every sub-chain; same contract and values as the reference
-    :func:`fxremat.solvers.rotor.rotor_table` (times as doubles, added in the same order)."""
-    cdef Py_ssize_t n = len(uf), width = slots + 1, s, t, span, pairs = 0, k
+    """C_BP and its argmin for every sub-chain; same contract and equal arrays as the
+    reference :func:`fxremat.solvers.rotor.rotor_table` (times as doubles, added in the same
+    order, splits tried in the same order). Two departures that change no value or choice:
+    rows are computed a block of start stages at a time (each row still after the rows it
+    reads), so the rows they share stay in cache; and each F_ck split only visits the m where
+    it can be strictly better than the row so far."""
+    cdef Py_ssize_t n = len(uf), width = slots + 1, s, t, rows, top, bottom
     cdef double[::1] fu = _array.array("d", [float(x) for x in uf])
     cdef double[::1] fb = _array.array("d", [float(x) for x in ub])
     cdef int64_t[::1] wa = _array.array("q", wa_slots)
@@ -784,45 +853,26 @@ def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
         raise ValueError("fxremat._dp.rotor_table: uf, ub, wabar, of, ob need L entries and wa L + 1")
     if slots < 0 or min(min(wa), min(wabar, default=0), min(of, default=0), min(ob, default=0)) < 0:
         raise ValueError("fxremat._dp.rotor_table: sizes and slots must be non-negative")
+    rows = n * (n + 1) // 2
+    cdef array.array cost = array.clone(_array.array("d"), rows * width, zero=False)
+    cdef array.array choice = array.clone(_array.array("i"), rows * width, zero=False)
     if n == 0:
-        return [[None]], [[None]]
+        return cost, choice
     c.n, c.width = n, width
     c.uf, c.ub, c.wa, c.wabar, c.of, c.ob = &fu[0], &fb[0], &wa[0], &wabar[0], &of[0], &ob[0]
-    c.row = <Py_ssize_t*> malloc((n + 1) * (n + 1) * sizeof(Py_ssize_t))
-    c.cost = <double*> malloc((n * (n + 1) // 2) * width * sizeof(double))
-    c.choice = <int32_t*> malloc((n * (n + 1) // 2) * width * sizeof(int32_t))
+    c.cost, c.choice = cost.data.as_doubles, choice.data.as_ints
+    c.info = <_RowInfo*> malloc(rows * sizeof(_RowInfo))
+    if c.info == NULL:
+        raise MemoryError()
     try:
-        if c.row == NULL or c.cost == NULL or c.choice == NULL:
-            raise MemoryError()
-        for s in range(1, n + 1):
-            for t in range(s, n + 1):
-                c.row[s * (n + 1) + t] = pairs
-                pairs += 1
         with nogil:
-            for k in range(pairs * width):
-                c.cost[k], c.choice[k] = _INF, -1
-            for s in range(1, n + 1):
-                _rotor_leaf(&c, s)
-            for span in range(1, n):
-                for s in range(1, n - span + 1):
-                    t = s + span
-                    _rotor_fall(&c, s, t)
-                    _rotor_fck(&c, s, t)
-        return _rotor_lists(&c)
+            top = n
+            while top >= 1:
+                bottom = max(1, top - _STAGE_BLOCK + 1)
+                for t in range(bottom, n + 1):
+                    for s in range(min(top, t), bottom - 1, -1):
+                        _rotor_pair(&c, s, t)
+                top = bottom - 1
+        return cost, choice
     finally:
-        free(c.row)
-        free(c.cost)
-        free(c.choice)
-
-
-cdef tuple _rotor_lists(_Chain* c):
-    """The tables as the reference returns them: nested lists, ``None`` off the triangle."""
-    cdef Py_ssize_t s, t, m, r, n = c.n
-    cost_table = [[None] * (n + 1) for _ in range(n + 1)]
-    choice_table = [[None] * (n + 1) for _ in range(n + 1)]
-    for s in range(1, n + 1):
-        for t in range(s, n + 1):
-            r = c.row[s * (n + 1) + t] * c.width
-            cost_table[s][t] = [c.cost[r + m] for m in range(c.width)]
-            choice_table[s][t] = [c.choice[r + m] for m in range(c.width)]
-    return cost_table, choice_table
+        free(c.info)

@@ -175,6 +175,27 @@ def test_rotor_table_identical(args):
     assert _dp.rotor_table(*args) == rotor_table(*args)
 
 
+@needs_compiled
+@pytest.mark.parametrize("seed, n, slots, int_times", [(0, 30, 200, False), (1, 30, 200, True),
+                                                       (2, 21, 64, True), (3, 60, 150, False)])
+def test_rotor_table_identical_long_chains(seed, n, slots, int_times):
+    """Chains long enough for the kernel's blocks of stages and of slots, with ties (int times)."""
+    import random
+
+    from fxremat import _dp
+    from fxremat.solvers.rotor import rotor_table
+
+    rng = random.Random(seed)
+    wa = [rng.randint(0, 8) for _ in range(n + 1)]
+    args = ([rng.randint(0, 3) if int_times else rng.uniform(0, 10) for _ in range(n)],
+            [rng.randint(0, 3) if int_times else rng.uniform(0, 10) for _ in range(n)],
+            wa, [wa[i + 1] + rng.randint(0, 12) for i in range(n)],
+            [rng.randint(0, 3) for _ in range(n)], [rng.randint(0, 3) for _ in range(n)], slots)
+    cost, choice = rotor_table(*args)
+    assert _dp.rotor_table(*args) == (cost, choice)
+    assert sum(c > 0 for c in choice) > n  # the F_ck splits are exercised
+
+
 # --------------------------------------------------------------------------- oracles
 
 

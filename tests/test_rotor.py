@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxremat.solvers.rotor import (
-    BWD, FALL, FCK, FN, ChainCosts, CheckpointSegment, PlainStage, RotorSchedule, flatten_nested,
-    rotor_table, simulate_schedule, solve_rotor, to_slots,
+    BWD, FALL, FCK, FN, ChainCosts, CheckpointSegment, PlainStage, RotorSchedule, RotorTable,
+    flatten_nested, rotor_row, rotor_table, simulate_schedule, solve_rotor, to_slots,
 )
 from fxremat.solvers.rotor_brute import brute_force_min_time, brute_force_schedule
 
@@ -160,10 +160,14 @@ def test_chain_costs_validation():
 
 def test_rotor_table_contract():
     cost, choice = rotor_table([1, 2], [3, 4], [1, 1, 1], [2, 2], [0, 0], [0, 0], 6)
-    assert cost[0][1] is None and cost[2][1] is None
-    assert len(cost[1][2]) == 7
-    assert cost[1][2][0] == math.inf and choice[1][2][0] == -1
-    assert cost[1][2][6] == 10 and choice[1][2][6] == 0
+    assert len(cost) == len(choice) == 3 * 7  # rows (1, 1), (1, 2), (2, 2) of 7 entries
+    assert [rotor_row(2, s, t) for s, t in [(1, 1), (1, 2), (2, 2)]] == [0, 1, 2]
+    table = RotorTable(2, 6, cost, choice)
+    assert table.cost(1, 2, 0) == math.inf and table.choice(1, 2, 0) == -1
+    assert table.cost(1, 2, 6) == 10 and table.choice(1, 2, 6) == 0
+    assert cost[1 * 7 + 6] == 10
+    with pytest.raises(IndexError):
+        table.cost(2, 1, 0)
 
 
 def test_brute_force_rejects_long_chains():

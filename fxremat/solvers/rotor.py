@@ -28,7 +28,7 @@ Paper symbols → fields
   F_all (all its backward needs, *including* its output a^ℓ, excluding its input a^{ℓ-1});
   hence ``wabar[ℓ-1] >= wa[ℓ]`` is required.
 - o_f^ℓ = ``of[ℓ-1]``, o_b^ℓ = ``ob[ℓ-1]``: transient bytes during F^ℓ / B^ℓ.
-- S = ``slots``; M = ``memory_bytes``; C_BP(s, t, m) = ``cost_table[s][t][m]``.
+- S = ``slots``; M = ``memory_bytes``; C_BP(s, t, m) = ``RotorTable.cost(s, t, m)``.
 
 Memory model (Section 3.1, Table 1)
 -----------------------------------
@@ -83,14 +83,15 @@ returns them.
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 from .. import _kernels
 
 __all__ = [
-    "FALL", "FCK", "FN", "BWD", "ChainCosts", "CheckpointSegment", "PlainStage",
-    "RotorSchedule", "flatten_nested", "rotor_table", "simulate_schedule", "solve_rotor",
+    "FALL", "FCK", "FN", "BWD", "ChainCosts", "CheckpointSegment", "PlainStage", "RotorSchedule",
+    "RotorTable", "flatten_nested", "rotor_row", "rotor_table", "simulate_schedule", "solve_rotor",
     "step", "initial_memory", "to_slots", "Memory", "memory_bytes_of",
 ]
 
@@ -216,16 +217,22 @@ def _fck_branches(s, t, cost_table, uf, wa, of, cost, choice):
                 choice[m] = sp
 
 
+def rotor_row(n: int, s: int, t: int) -> int:
+    """Row of C_BP(s, t, .) in :func:`rotor_table`'s flat tables: rows run s = 1..L, then t = s..L."""
+    return (s - 1) * (n + 1) - (s - 1) * s // 2 + (t - s)
+
+
 def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
     """C_BP and its argmin for every sub-chain (Theorem 1, Algorithm 1), in slot units.
 
-    Inputs are plain lists indexed like :class:`ChainCosts` (sizes in slots). Returns
-    ``(cost_table, choice_table)``: ``cost_table[s][t][m]`` = C_BP(s, t, m) for
-    1 <= s <= t <= L and 0 <= m <= slots (``math.inf`` when infeasible), where m excludes
-    a^{s-1} and includes δ^t; ``choice_table[s][t][m]`` is ``-1`` (infeasible), ``0``
+    Inputs are plain lists indexed like :class:`ChainCosts` (sizes in slots). Returns two flat
+    arrays ``(cost, choice)``, ``array("d")`` and ``array("i")``, of L (L + 1) / 2 rows of
+    ``slots + 1`` entries: with ``k = rotor_row(L, s, t) * (slots + 1) + m``, ``cost[k]`` =
+    C_BP(s, t, m) for 1 <= s <= t <= L and 0 <= m <= slots (``math.inf`` when infeasible),
+    where m excludes a^{s-1} and includes δ^t, and ``choice[k]`` is ``-1`` (infeasible), ``0``
     (start with F_all^s) or s' in s+1..t (F_ck^s, F_∅^{s+1..s'-1}, then split at s').
-    Entries with s = 0 or t < s are ``None``. The Cython kernel in fxremat/_dp.pyx
-    implements this same signature.
+    :class:`RotorTable` reads them. The Cython kernel in fxremat/_dp.pyx implements this same
+    signature and returns equal arrays.
     """
     n = len(uf)
     cost_table = [[None] * (n + 1) for _ in range(n + 1)]
@@ -241,13 +248,43 @@ def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
             _fall_branch(s, t, cost_table, uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, cost, choice)
             _fck_branches(s, t, cost_table, uf, wa_slots, of_slots, cost, choice)
             cost_table[s][t], choice_table[s][t] = cost, choice
-    return cost_table, choice_table
+    flat_cost, flat_choice = array("d"), array("i")
+    for s in range(1, n + 1):
+        for t in range(s, n + 1):
+            flat_cost.extend(cost_table[s][t])
+            flat_choice.extend(choice_table[s][t])
+    return flat_cost, flat_choice
+
+
+@dataclass(frozen=True)
+class RotorTable:
+    """:func:`rotor_table`'s flat arrays for an ``num_stages``-stage chain and ``slots`` slots."""
+
+    num_stages: int
+    slots: int
+    costs: array
+    choices: array
+
+    def index(self, s: int, t: int, m: int) -> int:
+        """Position of (s, t, m) in the flat arrays; 1 <= s <= t <= L, 0 <= m <= slots."""
+        if not (1 <= s <= t <= self.num_stages and 0 <= m <= self.slots):
+            raise IndexError(f"RotorTable: (s, t, m) = {(s, t, m)} outside 1 <= s <= t <= "
+                             f"{self.num_stages}, 0 <= m <= {self.slots}")
+        return rotor_row(self.num_stages, s, t) * (self.slots + 1) + m
+
+    def cost(self, s: int, t: int, m: int) -> float:
+        """C_BP(s, t, m) in time units (``math.inf`` when infeasible)."""
+        return self.costs[self.index(s, t, m)]
+
+    def choice(self, s: int, t: int, m: int) -> int:
+        """-1 infeasible, 0 F_all^s first, s' > s: F_ck^s, F_∅^{s+1..s'-1}, split at s'."""
+        return self.choices[self.index(s, t, m)]
 
 
 # --------------------------------------------------------------------------- reconstruction
 
 
-def _reconstruct(choice_table, wa, wabar, s, t, m) -> tuple[Op, ...]:
+def _reconstruct(table: RotorTable, wa, wabar, s, t, m) -> tuple[Op, ...]:
     """Algorithm 2 (OptRec) with an explicit stack, so long chains do not hit recursion limits."""
     ops: list[Op] = []
     stack: list = [(s, t, m)]
@@ -257,7 +294,7 @@ def _reconstruct(choice_table, wa, wabar, s, t, m) -> tuple[Op, ...]:
             ops.append(item)
             continue
         s, t, m = item
-        pick = choice_table[s][t][m]
+        pick = table.choice(s, t, m)
         if pick == CHOICE_FALL:
             ops.append((FALL, s))
             stack.append((BWD, s))
@@ -269,7 +306,7 @@ def _reconstruct(choice_table, wa, wabar, s, t, m) -> tuple[Op, ...]:
             stack.append((s, pick - 1, m))
             stack.append((pick, t, m - wa[pick - 1]))
         else:
-            raise AssertionError(f"choice_table[{s}][{t}][{m}] = {pick} on a feasible path")
+            raise AssertionError(f"choice({s}, {t}, {m}) = {pick} on a feasible path")
     return tuple(ops)
 
 
@@ -285,12 +322,12 @@ def solve_rotor(costs: ChainCosts, memory_bytes: int, *, slots: int = 500) -> Ro
     avail = slots - sl.wa[0]  # Algorithm 1 solves C_BP(1, L, M - ω_a^0)
     if avail < 0:
         return None
-    table = _kernels.pick(rotor_table, "rotor_table")  # the Cython kernel when it is built
-    cost_table, choice_table = table(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar),
-                                           list(sl.of), list(sl.ob), slots)
-    if cost_table[1][n][avail] == INF:
+    kernel = _kernels.pick(rotor_table, "rotor_table")  # the Cython kernel when it is built
+    table = RotorTable(n, slots, *kernel(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar),
+                                         list(sl.of), list(sl.ob), slots))
+    if table.cost(1, n, avail) == INF:
         return None
-    ops = _reconstruct(choice_table, sl.wa, sl.wabar, 1, n, avail)
+    ops = _reconstruct(table, sl.wa, sl.wabar, 1, n, avail)
     return RotorSchedule(ops=ops, predicted_time=sum(_op_time(costs, op) for op in ops), num_stages=n)
 
 
