@@ -427,8 +427,8 @@ def test_no_grad_region_inside_forward_stays_out_of_autograd(mode):
 
 
 class SharedUnderNoGrad(nn.Module):
-    """One block (with BatchNorm) called under no_grad for a gate and again with gradients; a
-    function and a method inside the no_grad region; a factory call in it."""
+    """One block (with BatchNorm) called under no_grad for a gate and again with gradients;
+    functions, a method and a constant tensor inside the no_grad region."""
 
     def __init__(self, c=8):
         super().__init__()

@@ -2,9 +2,10 @@
 outputs, gradients and buffers equal to the plain model, measured peak within the budget.
 
 Optional: skipped without torchvision (``pip install -e ".[zoo]"``). Marked ``zoo``
-(``-m "not zoo"`` leaves it out). By default it runs a representative subset (~10-30 s on two
+(``-m "not zoo"`` leaves it out). By default it runs a representative subset (1-2 min on two
 CPU cores); ``FXREMAT_ZOO=all`` runs every classification model torchvision lists (80 in
-torchvision 0.29: ~10 min on two cores, ~12 GB of memory for vit_h_14 and regnet_y_128gf).
+torchvision 0.29: 10-25 min on two cores, depending on load; ~12 GB of memory for vit_h_14 and
+regnet_y_128gf). The README's zoo table comes from this test's check().
 """
 
 import copy
