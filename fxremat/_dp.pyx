@@ -34,6 +34,7 @@ from libc.string cimport memcpy, memmove, memset
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
     int __builtin_ctzll(unsigned long long) nogil
+    void __builtin_prefetch(const void*) nogil
     ctypedef long long int128 "__int128"
 
 cdef array.array _WORDS = _array.array("Q")
@@ -715,6 +716,7 @@ cdef double _INF = float("inf")
 
 cdef enum:
     _SLOT_BLOCK = 16             # F_ck: m in blocks of this many slots, each skipped if it cannot win
+    _PREFETCH = 128              # F_ck: slots of the next split's rows to start loading
     _STAGE_BLOCK = 8             # rows computed for this many start stages s at a time (cache reuse)
 
 
@@ -777,10 +779,29 @@ cdef void _rotor_fall(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
         choice[m] = 0
 
 
+cdef inline void _rotor_prefetch(_Chain* c, Py_ssize_t s, Py_ssize_t sp, Py_ssize_t t,
+                                 Py_ssize_t lo) noexcept nogil:
+    """Start loading the first slots split sp will likely read (from about lo on)."""
+    cdef const double* rt = c.cost + _rotor_row(c.n, sp, t) * c.width
+    cdef const double* lf = c.cost + _rotor_row(c.n, s, sp - 1) * c.width
+    cdef Py_ssize_t m, k = max(lo - c.wa[sp - 1], 0)
+    for m in range(lo, min(lo + _PREFETCH, c.width), 8):  # 8 doubles: a 64-byte cache line
+        __builtin_prefetch(lf + m)
+    for m in range(k, min(k + _PREFETCH, c.width), 8):
+        __builtin_prefetch(rt + m)
+
+
 cdef void _rotor_fck(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
-    """The reference's loops, skipping only m where the split cannot win (its value is inf,
-    or at least the row's current value, which is nonincreasing in m, as is every C_BP row)."""
-    cdef Py_ssize_t a, b, sp, m, lo, hi, right, left, held, slots = c.width - 1
+    """The reference's loops over s' and m, skipping only m where split s' cannot be strictly
+    better than the row so far (the reference's test), so values and choices stay the same.
+
+    Every C_BP row is nonincreasing in m, and so is the row being built (a minimum of such
+    rows). Floating-point addition is monotone, so on m in a block [a, b) the split's value
+    fwd_time + right[m - held] + left[m] is at least its value at b - 1, and the row is at most
+    cost[a]: if cost[a] is no larger, the block is skipped. Likewise with the rows' least
+    values (at m = slots) for all m at once: the loop stops at the first cost[a] <= bound.
+    Below lo the split is infeasible (inf, never better)."""
+    cdef Py_ssize_t a, b, sp, m, lo, right, left, held, slots = c.width - 1
     cdef double* cost = c.cost + _rotor_row(c.n, s, t) * c.width
     cdef int* choice = c.choice + _rotor_row(c.n, s, t) * c.width
     cdef const double* rt
@@ -799,23 +820,20 @@ cdef void _rotor_fck(_Chain* c, Py_ssize_t s, Py_ssize_t t) noexcept nogil:
         lo = max(max(<Py_ssize_t> fwd_peak, held), max(c.info[left].first, held + c.info[right].first))
         if lo > slots:
             continue
+        if sp < t:
+            _rotor_prefetch(c, s, sp + 1, t, lo)
         rt = c.cost + right * c.width
         lf = c.cost + left * c.width
-        # Floating-point addition is monotone and both rows are least at m = slots, so no m
-        # beats this bound; cost[m] <= bound from hi on.
         bound = fwd_time + c.info[right].least + c.info[left].least
-        hi = _rotor_first_at_most(cost, lo, c.width, bound)
         a = lo
-        while a < hi:
-            b = min(hi, (a // _SLOT_BLOCK + 1) * _SLOT_BLOCK)
-            if cost[a] <= fwd_time + rt[b - 1 - held] + lf[b - 1]:
-                a = b
-                continue
-            for m in range(a, b):
-                x = fwd_time + rt[m - held] + lf[m]
-                if x < cost[m]:
-                    cost[m] = x
-                    choice[m] = <int> sp
+        while a < c.width and cost[a] > bound:
+            b = min(c.width, (a // _SLOT_BLOCK + 1) * _SLOT_BLOCK)
+            if cost[a] > fwd_time + rt[b - 1 - held] + lf[b - 1]:
+                for m in range(a, b):
+                    x = fwd_time + rt[m - held] + lf[m]
+                    if x < cost[m]:
+                        cost[m] = x
+                        choice[m] = <int> sp
             a = b
 
 
