@@ -1,11 +1,15 @@
-"""Time the pure-Python rotor DP table (fxremat.solvers.rotor.rotor_table).
+"""Time the rotor DP (fxremat.solvers.rotor.solve_rotor): the compiled kernel or the reference.
 
 The paper's largest case is ResNet-1001: a chain of 339 stages with S = 500 slots (its C code
-took < 20 s). This script times ``rotor_table`` on random chains of increasing length, fits
-time ∝ L^k, and runs the 339-stage chain itself only if the fit predicts it finishes within
+took < 20 s). By default this times ``solve_rotor`` (the DP table from the compiled kernel
+``fxremat._dp.rotor_table``, then the reconstruction) on a random chain of that size with a
+budget of a quarter of its store-all memory, ``--repeats`` times, and prints each time and the
+median. ``--impl reference`` times the pure-Python reference instead: on chains of increasing
+length, it fits time ∝ L^k and runs the full size only if the fit predicts it finishes within
 ``--max-seconds``; otherwise it prints the extrapolation. It prints only; no result files.
 
-Usage: ``python benchmarks/rotor_speed.py [--stages 339] [--slots 500] [--max-seconds 180]``
+Usage: ``python benchmarks/rotor_speed.py [--impl compiled|reference] [--stages 339]
+[--slots 500] [--repeats 5] [--max-seconds 180]``
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import statistics
 import time
 
-from fxremat.solvers.rotor import ChainCosts, rotor_table, to_slots
+from fxremat import _kernels
+from fxremat.solvers.rotor import ChainCosts, solve_rotor
 
 
 def random_chain(n_stages: int, seed: int = 0) -> ChainCosts:
@@ -32,14 +38,16 @@ def random_chain(n_stages: int, seed: int = 0) -> ChainCosts:
     )
 
 
-def time_table(n_stages: int, slots: int, budget_fraction: float = 0.25) -> float:
-    """Seconds for one rotor_table call with a budget of ``budget_fraction`` of store-all."""
+def time_solve(n_stages: int, slots: int, budget_fraction: float = 0.25) -> float:
+    """Wall seconds of one solve_rotor call with a budget of ``budget_fraction`` of store-all."""
     costs = random_chain(n_stages)
     store_all_bytes = costs.wa[0] + sum(costs.wabar) + costs.wa[-1] + max(costs.of + costs.ob)
-    sl = to_slots(costs, int(budget_fraction * store_all_bytes), slots)
     start = time.perf_counter()
-    rotor_table(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar), list(sl.of), list(sl.ob), slots)
-    return time.perf_counter() - start
+    schedule = solve_rotor(costs, int(budget_fraction * store_all_bytes), slots=slots)
+    seconds = time.perf_counter() - start
+    if schedule is None:
+        raise RuntimeError(f"no schedule for L={n_stages} S={slots}; raise budget_fraction")
+    return seconds
 
 
 def fit_exponent(points: list[tuple[int, float]]) -> float:
@@ -50,29 +58,44 @@ def fit_exponent(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=339)
-    parser.add_argument("--slots", type=int, default=500)
-    parser.add_argument("--max-seconds", type=float, default=180.0)
-    args = parser.parse_args()
+def run_compiled(args: argparse.Namespace) -> None:
+    times = [time_solve(args.stages, args.slots) for _ in range(args.repeats)]
+    shown = " ".join(f"{t:.2f}" for t in times)
+    print(f"solve_rotor (compiled) L={args.stages} S={args.slots}: runs {shown} s; "
+          f"median {statistics.median(times):.2f} s")
 
+
+def run_reference(args: argparse.Namespace) -> None:
     points = []
     for n in (50, 100, 150):
-        seconds = time_table(n, args.slots)
+        seconds = time_solve(n, args.slots)
         points.append((n, seconds))
-        print(f"rotor_table L={n:4d} S={args.slots}: {seconds:8.2f} s")
+        print(f"solve_rotor (reference) L={n:4d} S={args.slots}: {seconds:8.2f} s")
     k = fit_exponent(points)
     n_last, t_last = points[-1]
     predicted = t_last * (args.stages / n_last) ** k
     print(f"observed time ~ L^{k:.2f} at fixed S (the DP is O(L^3 S) in the worst case)")
-    for s in (args.slots // 2, args.slots * 2):
-        print(f"rotor_table L=50 S={s}: {time_table(50, s):8.2f} s (S scaling)")
     print(f"predicted L={args.stages} S={args.slots}: {predicted:.0f} s")
     if predicted <= args.max_seconds:
-        print(f"measured  L={args.stages} S={args.slots}: {time_table(args.stages, args.slots):.1f} s")
+        print(f"measured  L={args.stages} S={args.slots}: {time_solve(args.stages, args.slots):.1f} s")
     else:
         print(f"not run: prediction exceeds --max-seconds {args.max_seconds:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--impl", choices=("compiled", "reference"), default="compiled")
+    parser.add_argument("--stages", type=int, default=339)
+    parser.add_argument("--slots", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=5, help="compiled: runs to take the median of")
+    parser.add_argument("--max-seconds", type=float, default=180.0, help="reference: longest run to try")
+    args = parser.parse_args()
+    if args.impl == "compiled":
+        with _kernels.use("cython"):  # raises, naming the build command, if fxremat._dp is not built
+            run_compiled(args)
+    else:
+        with _kernels.use("python"):
+            run_reference(args)
 
 
 if __name__ == "__main__":

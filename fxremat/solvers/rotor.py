@@ -258,7 +258,7 @@ def rotor_table(uf, ub, wa_slots, wabar_slots, of_slots, ob_slots, slots):
 
 @dataclass(frozen=True)
 class RotorTable:
-    """:func:`rotor_table`'s flat arrays for an ``num_stages``-stage chain and ``slots`` slots."""
+    """:func:`rotor_table`'s flat arrays for a ``num_stages``-stage chain and ``slots`` slots."""
 
     num_stages: int
     slots: int
