@@ -1,5 +1,6 @@
-"""Benchmark nets beyond the examples: a ResNet-style chain (an ``nn.Sequential`` of residual
-blocks, so ``checkpoint_sequential`` applies to it)."""
+"""Benchmark nets beyond the examples, both ``nn.Sequential`` chains so that
+``checkpoint_sequential`` applies to them: a ResNet-style chain of residual blocks and a
+transformer stack."""
 
 from __future__ import annotations
 
@@ -27,3 +28,38 @@ def resnet_chain(depth: int = 12, channels: int = 32, num_classes: int = 10) -> 
         *[Block(channels) for _ in range(depth)],
         nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, num_classes, 1)),
     )
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention written out (q, k, v projections, softmax, output projection)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1) * (d // self.heads) ** -0.5).softmax(dim=-1)
+        return self.out((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.1):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), SelfAttention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def transformer_stack(depth: int = 8, dim: int = 64, heads: int = 4) -> nn.Sequential:
+    """``depth`` transformer blocks and a final norm over (batch, tokens, dim) inputs."""
+    return nn.Sequential(*[TransformerBlock(dim, heads) for _ in range(depth)], nn.LayerNorm(dim))

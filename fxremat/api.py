@@ -72,21 +72,31 @@ def _as_tuple(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), key: str = "") -> Plan:
-    """The Plan of ``choice``; ``nodes`` (:func:`fxremat.views.node_infos`) and ``key``
-    (:func:`fxremat.views.graph_key`) feed :meth:`Plan.explain` and :meth:`Plan.save`."""
+def _segments_of(graph: CostGraph, schedule) -> tuple[Segment, ...]:
+    """Plan segments of a schedule, nested schedules of recomputed segments included."""
     segments = []
-    for seg, rec in zip(choice.schedule.segments, choice.schedule.recomputed):
+    for i, (seg, rec) in enumerate(zip(schedule.segments, schedule.recomputed)):
         members = set(seg)
         kept = [v for v in seg if graph.is_output[v] or any(s not in members for s in graph.succs[v])]
         kept_roots = {graph.root[v] for v in kept}
+        nested = schedule.inner_of(i) if rec else None
+        inner = _segments_of(graph, nested) if nested is not None else ()
+        again = sum(s.recompute_cost for s in inner) if inner else 0.0
         segments.append(Segment(
             nodes=tuple(graph.names[v] for v in seg),
             recomputed=rec,
             kept=tuple(graph.names[v] for v in kept),
             kept_bytes=sum(graph.out_bytes[r] for r in kept_roots),
-            recompute_cost=sum(graph.time[v] for v in seg) * graph.time_unit if rec else 0.0,
+            recompute_cost=(sum(graph.time[v] for v in seg) * graph.time_unit + again) if rec else 0.0,
+            inner=inner,
         ))
+    return tuple(segments)
+
+
+def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), key: str = "") -> Plan:
+    """The Plan of ``choice``; ``nodes`` (:func:`fxremat.views.node_infos`) and ``key``
+    (:func:`fxremat.views.graph_key`) feed :meth:`Plan.explain` and :meth:`Plan.save`."""
+    segments = _segments_of(graph, choice.schedule)
     timeline = predicted_timeline(graph, choice.schedule)
     return Plan(
         strategy=choice.strategy,
@@ -118,20 +128,29 @@ def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Pl
 
 
 def emitted_code(gm: fx.GraphModule, title: str) -> str:
-    """The emitted forward's source followed by each recomputed segment's source."""
+    """The emitted forward's source followed by each recomputed segment's source (nested
+    checkpoints of a segment, ``seg_i.seg_j``, after it)."""
     parts = [f"# fxremat: {title}, recomputed segments are seg_*\n"
              f"# (their interior is dropped after the forward and recomputed in the backward)",
              gm.code.strip("\n")]
-    for name, seg in gm.named_children():
-        if name.startswith("seg_"):
-            parts.append(f"# {name}: recomputed during the backward\n" + seg.code.strip("\n"))
+    for name, seg in gm.named_modules():
+        if name.rpartition(".")[2].startswith("seg_") and isinstance(seg, fx.GraphModule):
+            nested = " (nested: its recomputation checkpoints seg_* again)" if any(
+                c.startswith("seg_") for c, _ in seg.named_children()) else ""
+            parts.append(f"# {name}: recomputed during the backward{nested}\n" + seg.code.strip("\n"))
     return "\n\n".join(parts) + "\n"
 
 
+def _nested_args(segments):
+    """``rewrite``'s ``(segments, recomputed, inner)`` for plan segments."""
+    return ([list(s.nodes) for s in segments], [s.recomputed for s in segments],
+            [_nested_args(s.inner) if s.inner else None for s in segments])
+
+
 def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
-    segments = [list(s.nodes) for s in the_plan.segments]
     mutated = {n.name: n.mutated_buffers for n in the_plan.nodes}
-    return rewrite(gm, segments, [s.recomputed for s in the_plan.segments], mutated)
+    segments, recomputed, inner = _nested_args(the_plan.segments)
+    return rewrite(gm, segments, recomputed, mutated, inner)
 
 
 def _wrappers() -> list[tuple[type, str, str]]:
@@ -184,7 +203,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     peak without recomputation, or ``"min"``. ``example_inputs``: the positional inputs to plan
     for now; with ``None`` planning happens on the first training-mode forward. ``strategy``:
     ``"auto"`` (exact DP while the lower sets are at most ``exact_cap``, else approximate),
-    ``"exact"`` or ``"approx"``. ``cost_model``: ``"measured"``, ``"flops"`` or ``"uniform"``.
+    ``"exact"``, ``"approx"``, ``"rotor"``, ``"chen"``, ``"hong"``, ``"sequential"`` or
+    ``"none"``. ``cost_model``: ``"measured"``, ``"flops"`` or ``"uniform"``.
     ``leaf_modules``: classes or qualified names of submodules to keep as single nodes.
     Options: ``exact_cap`` (default 20,000 lower sets with the compiled kernels, 2,000 with the
     pure-Python reference), ``max_plans`` (input signatures cached, default 8),
@@ -244,9 +264,9 @@ class _State:
         # GraphModule.__deepcopy__ keeps only module state and .meta: carry over each segment's
         # mutated buffers, without which a recomputation updates BatchNorm statistics again.
         for entry, copied in zip(self.cache.values(), new.cache.values()):
-            for name, seg in entry[1].named_children():
+            for name, seg in entry[1].named_modules():
                 if hasattr(seg, MUTATED_BUFFERS_ATTR):
-                    setattr(getattr(copied[1], name), MUTATED_BUFFERS_ATTR, getattr(seg, MUTATED_BUFFERS_ATTR))
+                    setattr(copied[1].get_submodule(name), MUTATED_BUFFERS_ATTR, getattr(seg, MUTATED_BUFFERS_ATTR))
         return new
 
     def __getstate__(self):

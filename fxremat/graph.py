@@ -41,6 +41,8 @@ class CostGraph:
     ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
     backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
     cross-entropy keeps its log-softmax and allocates its gradient).
+    ``data_succs``: set only on a graph whose ``preds``/``succs`` carry extra precedence edges
+    (:func:`fxremat.planner.ordered_preds`): the successors along data edges alone.
     """
 
     names: tuple[str, ...]
@@ -62,6 +64,7 @@ class CostGraph:
     uses_rng: tuple[bool, ...] = ()
     order_chains: tuple[tuple[int, ...], ...] = ()
     grad_alias: tuple[bool, ...] = ()
+    data_succs: tuple[tuple[int, ...], ...] = ()
 
     @property
     def n(self) -> int:

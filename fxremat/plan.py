@@ -18,13 +18,19 @@ __all__ = ["Plan", "Segment", "NodeInfo", "Timeline"]
 @dataclass(frozen=True)
 class Segment:
     """One V_i of the strategy: its FX node names, whether it is recomputed in the backward, and
-    the values of it kept for later segments (names and bytes)."""
+    the values of it kept for later segments (names and bytes).
+
+    ``inner``: for a recomputed segment with nested checkpoints (the rotor strategy), the
+    segments its recomputation runs, in the same form; empty when it is recomputed plainly.
+    ``recompute_cost`` counts every forward run again, nested recomputations included.
+    """
 
     nodes: tuple[str, ...]
     recomputed: bool
     kept: tuple[str, ...]
     kept_bytes: int
     recompute_cost: float
+    inner: tuple["Segment", ...] = ()
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,15 @@ from .graph import CostGraph
 from .lowersets import all_lower_sets, bits, pruned_family
 from .simulate import Schedule, simulate
 from . import _kernels
-from .solvers import chen, kusumoto
+from .solvers import chen, hong, kusumoto, rotor
+from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
 
 __all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP"]
 
 log = logging.getLogger("fxremat")
 
-STRATEGIES = ("auto", "exact", "approx", "chen", "sequential", "none")
-_KUSUMOTO = ("auto", "exact", "approx")
+STRATEGIES = ("auto", "exact", "approx", "rotor", "chen", "hong", "sequential", "none")
+_KUSUMOTO = ("auto", "exact", "approx")  # strategies that run the Kusumoto DP
 DEFAULT_EXACT_CAP = None  # 20,000 lower sets with the compiled kernels, 2,000 with the reference
 _EXACT_CAP = {"cython": 20_000, "python": 2_000}
 _BISECT_STEPS = 8
@@ -100,7 +101,8 @@ def _ordered_graph(graph: CostGraph) -> CostGraph:
     for v, ps in enumerate(preds):
         for p in ps:
             succs[p].append(v)
-    return dataclasses.replace(graph, preds=preds, succs=tuple(tuple(x) for x in succs))
+    return dataclasses.replace(graph, preds=preds, succs=tuple(tuple(x) for x in succs),
+                               data_succs=graph.data_succs or graph.succs)
 
 
 def resolve_exact_cap(cap: int | None) -> int:
@@ -133,12 +135,22 @@ def _schedule(lower_sets) -> Schedule:
     return Schedule(tuple(segments), tuple([True] * (len(segments) - 1) + [False]))
 
 
+def recompute_time(graph: CostGraph, sched: Schedule) -> int:
+    """Forward cost run again in the backward: every recomputed segment once, plus what its
+    nested checkpoints run again inside its recomputation."""
+    total = 0
+    for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)):
+        if rec:
+            nested = sched.inner_of(i)
+            total += sum(graph.time[v] for v in seg) + (recompute_time(graph, nested) if nested else 0)
+    return total
+
+
 def _candidate(graph: CostGraph, solution) -> _Candidate | None:
     if solution is None:
         return None
     sched = _schedule(solution.lower_sets)
-    rtime = sum(graph.time[v] for seg, r in zip(sched.segments, sched.recomputed) if r for v in seg)
-    return _Candidate(sched, simulate(graph, sched), rtime)
+    return _Candidate(sched, simulate(graph, sched), recompute_time(graph, sched))
 
 
 class _Solver:
@@ -213,6 +225,56 @@ class _Fixed:
         return best
 
 
+class _Rotor:
+    """Rotor (Beaumont et al.) on the articulation chain. One DP table serves every memory
+    budget up to the no-recomputation peak, in ``slots`` steps; since the chain model is an
+    estimate, the schedule of every step is simulated (each distinct one once) and the
+    simulator decides."""
+
+    def __init__(self, graph: CostGraph, ordered: CostGraph, slots: int = 500):
+        start = time.perf_counter()
+        self.graph = graph
+        self.stages = chain_stages(ordered)
+        self.costs = chain_costs(graph, self.stages)
+        self.solver = None
+        self.by_ops: dict = {}
+        if len(self.stages) >= 2:
+            c = self.costs
+            # Enough for F_all everywhere: every ā, the boundary values, the largest transients.
+            top = sum(c.wabar) + sum(c.wa) + max(c.of) + max(c.ob) + 1
+            self.solver = rotor.RotorSolver(c, top, slots=slots)
+        self.seconds = time.perf_counter() - start
+
+    def _at(self, m: int) -> _Candidate | None:
+        sol = self.solver.at_slots(m)
+        if sol is None:
+            return None
+        if sol.ops not in self.by_ops:
+            sched = schedule_from_nested(sol.nested(), self.stages)
+            self.by_ops[sol.ops] = _Candidate(sched, simulate(self.graph, sched), recompute_time(self.graph, sched))
+        return self.by_ops[sol.ops]
+
+    def _all(self) -> list[_Candidate]:
+        """The simulated schedule of every slot count from the least feasible one up."""
+        if self.solver is None:
+            return []
+        start = time.perf_counter()
+        first = self.solver.least_slots()
+        cands = [] if first is None else [self._at(m) for m in range(first, self.solver.slots + 1)]
+        self.seconds += time.perf_counter() - start
+        return [c for c in cands if c is not None]
+
+    def least(self) -> _Candidate | None:
+        return min(self._all(), key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
+
+    def fastest_within(self, budget: int) -> _Candidate | None:
+        best = None
+        for cand in self._all():
+            if cand.peak_bytes <= budget:
+                best = _better(best, cand)
+        return best
+
+
 def _sources(graph: CostGraph, strategy: str, exact_cap: int | None):
     """The strategy's candidate sources by name, and the number of lower sets searched."""
     sources, sets, notes = {}, 0, ()
@@ -228,9 +290,13 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None):
         # The DP optimises an upper bound of the peak, so the approximate family's optimum can
         # simulate lower than the exact one's; it is cheap, so auto looks at both.
         sources["approx"] = _Solver(graph, _family(graph, "approx", exact_cap)[0])
-    ordered = _ordered_graph(graph) if strategy in ("auto", "chen", "sequential") else graph
+    ordered = _ordered_graph(graph) if strategy in ("auto", "rotor", "chen", "hong", "sequential") else graph
+    if strategy in ("auto", "rotor"):
+        sources["rotor"] = _Rotor(graph, ordered)
     if strategy in ("auto", "chen"):
         sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
+    if strategy in ("auto", "hong"):
+        sources["hong"] = _Fixed(graph, hong.hong_candidates(ordered))
     if strategy in ("auto", "sequential"):
         sources["sequential"] = _Fixed(graph, chen.sequential_candidates(ordered))
     return sources, sets, notes
@@ -249,9 +315,10 @@ def _within(source, target: int, least: _Candidate | None) -> _Candidate | None:
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
 
-    ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"chen"``, ``"sequential"`` (chain
+    ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
+    articulation chain, nested checkpoints), ``"chen"``, ``"hong"``, ``"sequential"`` (chain
     baselines), ``"none"``, or ``"auto"``: the least predicted overhead within the budget (the
-    least peak for ``"min"``) among the Kusumoto DP (exact and approximate) and the baselines.
+    least peak for ``"min"``) among all of them; ``Choice.strategy`` names the winner.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -264,6 +331,9 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         return Choice(plain, "none", "time-centric", target or baseline, baseline, baseline, 0, 0.0, 0)
     sources, sets, notes = _sources(graph, strategy, exact_cap)
     least = {name: _least(src) for name, src in sources.items()}
+    if not any(least.values()):
+        raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has no "
+                         "articulation nodes, so it is not a chain of stages; use strategy='auto' or 'exact'")
     floor_name = min((n for n in least if least[n]), key=lambda n: (least[n].peak_bytes, least[n].recompute_time))
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731

@@ -59,9 +59,9 @@ def recompute(segment: torch.nn.Module, *inputs):
 
 def attribute_bindings(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:
     """``(holder, owner, name)`` for every ``get_attr`` of ``gm`` and of its own GraphModule
-    children whose holding module is a copy (``holder``) of a module of ``model`` (``owner``)."""
-    graphs = [gm] + [m for n, m in gm.named_children()
-                     if isinstance(m, fx.GraphModule) and m is not getattr(model, n, None)]
+    descendants (nested segments) whose holding module is a copy (``holder``) of a module of ``model`` (``owner``)."""
+    own = {id(m) for m in model.modules()}
+    graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule) and id(m) not in own]
     found = {}
     for g in graphs:
         for node in g.graph.nodes:

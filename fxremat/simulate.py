@@ -29,10 +29,25 @@ __all__ = ["Schedule", "simulate"]
 
 @dataclass(frozen=True)
 class Schedule:
-    """Segments (tuples of node indices, in order) and which of them are recomputed."""
+    """Segments (tuples of node indices, in order) and which of them are recomputed.
+
+    ``inner`` (optional, one entry per segment): the schedule a recomputed segment follows when
+    it is recomputed — a :class:`Schedule` over exactly that segment's nodes whose own
+    recomputed segments are nested checkpoints (rotor's F_ck inside a recomputation), or
+    ``None``: the segment is recomputed plainly, keeping what autograd saves.
+    """
 
     segments: tuple[tuple[int, ...], ...]
     recomputed: tuple[bool, ...]
+    inner: tuple["Schedule | None", ...] = ()
+
+    def inner_of(self, i: int) -> "Schedule | None":
+        return self.inner[i] if self.inner else None
+
+    @property
+    def depth(self) -> int:
+        """1 for a flat schedule, plus one per level of nested checkpoints."""
+        return 1 + max((s.depth for s in self.inner if s is not None), default=0)
 
 
 class _Grads:
@@ -156,21 +171,89 @@ def _recompute(graph: CostGraph, seg, mem: _Memory) -> set:
     return kept
 
 
+def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
+    """Node v's backward: its inputs' gradients appear, its output's gradient goes."""
+    share = v if graph.grad_alias[v] else None
+    for p in graph.preds[v]:
+        if graph.grad_bytes[p] and v in grads.of:
+            grads.give(p, graph.grad_bytes[p], share)
+    mem.note(graph.transient_bytes[v])
+    grads.drop(v)
+    mem.free(("x", v))
+
+
+def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int) -> None:
+    """Recompute ``seg`` following ``inner`` and run its backward (nested checkpoints).
+
+    The recomputation is a forward over ``inner``'s segments with copies ("r", depth, v): a
+    plain inner segment keeps what its nodes save, a recomputed one only its inputs (held by
+    its checkpoint until its backward ends). The inner segments' backwards then run in reverse,
+    a recomputed one recursing one level deeper. Values outside ``seg`` are held by the levels
+    above until ``seg``'s backward ends.
+    """
+    members = set(seg)
+    sub_of = {v: i for i, sub in enumerate(inner.segments) for v in sub}
+    needed = {v: set() for v in seg}
+    holds = {v: set() for v in seg}
+    for v in seg:
+        i = sub_of[v]
+        for p in graph.preds[v]:
+            r = graph.root[p]
+            if r in members:
+                needed[r].add(v)
+                if inner.recomputed[i] and sub_of[r] != i:
+                    holds[r].add(("segment", i))
+        if not inner.recomputed[i]:
+            for o in graph.saved[v]:
+                if o in members:
+                    holds[o].add(("node", v))
+    key = lambda v: ("r", depth, v)  # noqa: E731
+
+    def maybe_free(r):
+        if not needed[r] and not holds[r]:
+            mem.free(key(r))
+
+    for v in seg:
+        mem.alloc(key(v), graph.out_bytes[v], graph.transient_bytes[v])
+        if not inner.recomputed[sub_of[v]]:
+            mem.alloc(("x", v), graph.extra_bytes[v])
+        for r in {graph.root[p] for p in graph.preds[v]}:
+            if r in members:
+                needed[r].discard(v)
+                maybe_free(r)
+        maybe_free(v)
+    for i in reversed(range(len(inner.segments))):
+        sub = inner.segments[i]
+        if inner.recomputed[i]:
+            deeper = inner.inner_of(i) or Schedule((sub,), (False,))
+            _backward_nested(graph, sub, deeper, mem, grads, depth + 1)
+            for r in members:
+                if ("segment", i) in holds[r]:
+                    holds[r].discard(("segment", i))
+                    maybe_free(r)
+            continue
+        for v in reversed(sub):
+            _grad_step(graph, v, mem, grads)
+            for o in graph.saved[v]:
+                if o in members:
+                    holds[o].discard(("node", v))
+                    maybe_free(o)
+
+
 def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -> None:
     seg = schedule.segments[s]
+    nested = schedule.inner_of(s) if schedule.recomputed[s] else None
+    if nested is not None:
+        _backward_nested(graph, seg, nested, mem, grads, 1)
+        _release_segment(graph, s, holds, pending, outputs, mem)
+        return
     kept = _recompute(graph, seg, mem) if schedule.recomputed[s] else set()
     saved_by = {}
     for v in seg:
         for o in graph.saved[v]:
             saved_by.setdefault(o, set()).add(v)
     for v in reversed(seg):
-        share = v if graph.grad_alias[v] else None
-        for p in graph.preds[v]:
-            if graph.grad_bytes[p] and v in grads.of:
-                grads.give(p, graph.grad_bytes[p], share)
-        mem.note(graph.transient_bytes[v])
-        grads.drop(v)
-        mem.free(("x", v))
+        _grad_step(graph, v, mem, grads)
         for o in graph.saved[v]:
             holds[o].discard(("node", v))
             if o in kept:
@@ -179,6 +262,11 @@ def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -
                     mem.free(("r", o))
             if not pending[o] and not holds[o] and o not in outputs:
                 mem.free(("f", o))
+    _release_segment(graph, s, holds, pending, outputs, mem)
+
+
+def _release_segment(graph, s, holds, pending, outputs, mem) -> None:
+    """Segment s's backward ended: its checkpoint lets go of its inputs."""
     for r in range(graph.n):
         if ("segment", s) in holds[r]:
             holds[r].discard(("segment", s))

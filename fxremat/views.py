@@ -311,6 +311,12 @@ def _build(cls, data: dict, path):
     return cls(**{k: _tuples(v) for k, v in data.items()})
 
 
+def _build_segment(data: dict, path) -> Segment:
+    data = dict(data)
+    data["inner"] = tuple(_build_segment(s, path) for s in data.get("inner", ()))
+    return _build(Segment, data, path)
+
+
 def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None, leaf_modules=()) -> Plan:
     """Read a plan written by :meth:`Plan.save`.
 
@@ -325,7 +331,7 @@ def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None
         raise ValueError(f"fxremat.load_plan: {path} is not an fxremat plan (format {found!r}, "
                          f"expected {PLAN_FORMAT!r}); write plans with Plan.save")
     fields = dict(data["plan"])
-    fields["segments"] = tuple(_build(Segment, s, path) for s in fields.get("segments", ()))
+    fields["segments"] = tuple(_build_segment(s, path) for s in fields.get("segments", ()))
     fields["nodes"] = tuple(_build(NodeInfo, n, path) for n in fields.get("nodes", ()))
     plan = _build(Plan, fields, path)
     if model is not None or example_inputs is not None:

@@ -117,7 +117,9 @@ def test_recomputation_runs_under_the_forward_autocast_state():
     assert probe.seen == [(True, torch.bfloat16)]
     assert any(s.recomputed and "probe" in s.nodes for s in compiled.plan.segments)
     loss.backward()  # outside autocast, as in the usual AMP recipe
-    assert probe.seen == [(True, torch.bfloat16)] * 2, "the recomputation ran without the forward's autocast"
+    # nested checkpoints (rotor) may recompute the probe more than once: every run is under autocast
+    assert len(probe.seen) >= 2 and set(probe.seen) == {(True, torch.bfloat16)}, \
+        "the recomputation ran without the forward's autocast"
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain(x)
         loss = loss_of(plain(x).float())

@@ -5,6 +5,10 @@ V_i's nodes) called as ``recompute(self.seg_<i>, *inputs)`` in the top-level cod
 segment's nodes run inline, plainly. Inputs of a segment are the values it reads from earlier
 segments or graph inputs; its outputs are the values later segments or the graph output read.
 The input GraphModule is not modified; submodules, parameters and buffers are shared with it.
+
+A recomputed segment may carry its own recomputation schedule (``inner``, rotor's nested
+checkpoints): its submodule is then itself rewritten, so ``seg_<i>`` calls
+``recompute(self.seg_<j>, ...)`` on the parts of it that are checkpointed again inside it.
 """
 
 from __future__ import annotations
@@ -53,13 +57,17 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, m
     return seg
 
 
-def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]]) -> fx.GraphModule:
+def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]],
+            inner=None) -> fx.GraphModule:
     """Return a new GraphModule running ``gm`` segment by segment (see the module docstring).
 
     ``segments`` are lists of call-node names in graph order, given in the order of the lower
     sets (so every segment only reads earlier segments); ``recomputed`` is a flag per segment,
-    ``mutated_buffers`` the buffers each node mutates (from profiling).
+    ``mutated_buffers`` the buffers each node mutates (from profiling). ``inner`` (optional) has
+    one entry per segment: ``None`` or, for a recomputed segment, ``(segments, recomputed,
+    inner)`` of the same form over that segment's nodes, its nested checkpoints.
     """
+    inner = inner or [None] * len(segments)
     by_name = {n.name: n for n in gm.graph.nodes}
     top = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -67,10 +75,10 @@ def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str,
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             env[node] = top.node_copy(node)
-    for i, (names, rec) in enumerate(zip(segments, recomputed)):
+    for i, (names, rec, nested) in enumerate(zip(segments, recomputed, inner)):
         members = [by_name[name] for name in names]
         if rec:
-            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers)
+            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested)
             continue
         for node in members:
             env[node] = _copy_inline(top, node, env, gm, attrs)
@@ -97,11 +105,18 @@ def _resolve(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers) -> None:
+def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None) -> None:
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
     name = f"seg_{i}"
-    attrs[name] = _segment_module(gm, members, inputs, outputs, mutated)
+    seg = _segment_module(gm, members, inputs, outputs, mutated)
+    if nested is not None:
+        sub_segments, sub_recomputed, sub_inner = nested
+        flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner)
+        for buffer in mutated:  # restored around this segment's recomputation: reachable from it
+            _attach(seg, flat, buffer.rpartition(".")[0])
+        setattr(seg, MUTATED_BUFFERS_ATTR, tuple(sorted(mutated)))
+    attrs[name] = seg
     fn = top.get_attr(name)
     args = (fn, *[env[a] for a in inputs])
     call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
@@ -111,3 +126,15 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers) -> None:
         return
     for k, o in enumerate(outputs):
         env[o] = top.create_node("call_function", operator.getitem, (call, k), name=o.name)
+
+
+def _attach(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
+    """Make ``dst.get_submodule(path)`` the module ``src.get_submodule(path)``, adding empty
+    containers on the way where ``dst`` lacks them (a nested segment's top level only holds
+    the modules its own code calls)."""
+    parts = path.split(".") if path else []
+    holder = dst
+    for i, part in enumerate(parts):
+        if not hasattr(holder, part):
+            holder.add_module(part, src.get_submodule(path) if i == len(parts) - 1 else torch.nn.Module())
+        holder = getattr(holder, part)

@@ -4,8 +4,11 @@ Chen, Xu, Zhang, Guestrin, *Training Deep Nets with Sublinear Memory Cost* (2016
 ``shared/seeds/001_fa916fdc9b89d8bf.txt``.
 
 - cut points: nodes every path from the inputs to the outputs passes through; with A_v = v and
-  its ancestors, v is a cut point when no edge leaves A_v except from v (views and shape nodes
-  tied to v count as v). They split the DAG into a chain of stages; a stage may be a whole
+  its ancestors, v is a cut point when no data edge leaves A_v except from v (views and shape
+  nodes tied to v count as v). On a graph with precedence edges (``data_succs`` set), A_v
+  follows them too, but a precedence edge leaving A_v does not prevent a cut: stages run in
+  chain order, so it is satisfied anyway (the dropouts of successive blocks are chained by
+  such edges). They split the DAG into a chain of stages; a stage may be a whole
   residual or inception block.
 - :func:`sequential`: what ``torch.utils.checkpoint.checkpoint_sequential`` does — the chain cut
   into ``segments`` runs of (nearly) equal numbers of stages.
@@ -40,7 +43,7 @@ def cut_points(graph: CostGraph) -> list[tuple[int, int]]:
     members: dict[int, int] = {}
     for v in range(graph.n):
         members[anchor[v]] = members.get(anchor[v], 0) | 1 << v
-    succ = [sum(1 << s for s in ss) for ss in graph.succs]
+    succ = [sum(1 << s for s in ss) for ss in (graph.data_succs or graph.succs)]
     full = (1 << graph.n) - 1
     out = []
     for head in sorted(members):

@@ -90,7 +90,7 @@ from typing import Sequence, Union
 from .. import _kernels
 
 __all__ = [
-    "FALL", "FCK", "FN", "BWD", "ChainCosts", "CheckpointSegment", "PlainStage", "RotorSchedule",
+    "FALL", "FCK", "FN", "BWD", "ChainCosts", "CheckpointSegment", "PlainStage", "RotorSchedule", "RotorSolver",
     "RotorTable", "flatten_nested", "rotor_row", "rotor_table", "simulate_schedule", "solve_rotor",
     "step", "initial_memory", "to_slots", "Memory", "memory_bytes_of",
 ]
@@ -317,18 +317,45 @@ def _op_time(costs: ChainCosts, op: Op) -> float:
 
 def solve_rotor(costs: ChainCosts, memory_bytes: int, *, slots: int = 500) -> RotorSchedule | None:
     """Fastest persistent sequence with peak <= ``memory_bytes``, or ``None`` if infeasible."""
-    sl = to_slots(costs, memory_bytes, slots)
-    n = costs.length
-    avail = slots - sl.wa[0]  # Algorithm 1 solves C_BP(1, L, M - ω_a^0)
-    if avail < 0:
-        return None
-    kernel = _kernels.pick(rotor_table, "rotor_table")  # the Cython kernel when it is built
-    table = RotorTable(n, slots, *kernel(list(sl.uf), list(sl.ub), list(sl.wa), list(sl.wabar),
-                                         list(sl.of), list(sl.ob), slots))
-    if table.cost(1, n, avail) == INF:
-        return None
-    ops = _reconstruct(table, sl.wa, sl.wabar, 1, n, avail)
-    return RotorSchedule(ops=ops, predicted_time=sum(_op_time(costs, op) for op in ops), num_stages=n)
+    return RotorSolver(costs, memory_bytes, slots=slots).at_slots(slots)
+
+
+class RotorSolver:
+    """One DP table for budgets up to ``memory_bytes``: :meth:`at_slots` gives the optimal
+    schedule within m of its ``slots`` slots (``memory_bytes / slots`` bytes each) for every m,
+    without solving again (C_BP(1, L, m) is a row of the same table)."""
+
+    def __init__(self, costs: ChainCosts, memory_bytes: int, *, slots: int = 500):
+        self.costs, self.memory_bytes, self.slots = costs, memory_bytes, slots
+        self.sized = to_slots(costs, memory_bytes, slots)
+        sl = self.sized
+        kernel = _kernels.pick(rotor_table, "rotor_table")  # the Cython kernel when it is built
+        self.table = RotorTable(costs.length, slots, *kernel(list(sl.uf), list(sl.ub), list(sl.wa),
+                                                             list(sl.wabar), list(sl.of), list(sl.ob), slots))
+
+    def feasible(self, m: int) -> bool:
+        avail = m - self.sized.wa[0]  # Algorithm 1 solves C_BP(1, L, M - ω_a^0)
+        return 0 <= avail and self.table.cost(1, self.costs.length, min(avail, self.slots)) != INF
+
+    def at_slots(self, m: int) -> RotorSchedule | None:
+        """The fastest schedule within ``m`` slots (0 <= m <= slots), or ``None``."""
+        if not 0 <= m <= self.slots:
+            raise ValueError(f"RotorSolver.at_slots: m = {m} outside 0..{self.slots}")
+        if not self.feasible(m):
+            return None
+        n = self.costs.length
+        ops = _reconstruct(self.table, self.sized.wa, self.sized.wabar, 1, n, m - self.sized.wa[0])
+        return RotorSchedule(ops=ops, predicted_time=sum(_op_time(self.costs, op) for op in ops), num_stages=n)
+
+    def least_slots(self) -> int | None:
+        """The fewest slots with a feasible schedule (C_BP never grows with memory)."""
+        if not self.feasible(self.slots):
+            return None
+        lo, hi = -1, self.slots
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self.feasible(mid) else (mid, hi)
+        return hi
 
 
 # --------------------------------------------------------------------------- nested form
