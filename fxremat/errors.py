@@ -36,12 +36,13 @@ class InfeasibleBudgetError(ValueError):
 class TraceError(RuntimeError):
     """torch.fx could not trace the model (for example data-dependent Python control flow)."""
 
-    def __init__(self, qualified_name: str, cause: BaseException):
+    def __init__(self, qualified_name: str, cause: BaseException, hint: str | None = None):
         self.qualified_name = qualified_name
         where = f"submodule {qualified_name!r}" if qualified_name else "the top-level module"
-        hint = (
-            f"pass leaf_modules=({qualified_name!r},) (or its class) so fxremat treats it as one node"
-            if qualified_name
-            else "make its forward traceable by torch.fx (no Python control flow on tensor values)"
-        )
+        if hint is None:
+            hint = (
+                f"pass leaf_modules=({qualified_name!r},) (or its class) so fxremat treats it as one node"
+                if qualified_name
+                else "make its forward traceable by torch.fx (no Python control flow on tensor values)"
+            )
         super().__init__(f"fxremat: torch.fx could not trace {where}: {type(cause).__name__}: {cause}; {hint}")

@@ -1,7 +1,8 @@
 """A compiled module inside real training code: autocast, torch.compile, gradient accumulation
-with SGD/Adam, saving and copying, dtype moves, frozen parameters, no-grad regions, integer and
-boolean tensors, and a plan cache that stays bounded when the input shape keeps changing."""
+with SGD/Adam, saving and copying, dtype moves, frozen parameters, no-grad and autocast regions
+inside forward, integer and boolean tensors, and a plan cache that stays bounded when the input shape keeps changing."""
 
+import contextlib
 import copy
 import gc
 import io
@@ -497,6 +498,177 @@ def test_no_grad_regions_survive_pickling_and_deepcopy():
         assert all(p.grad is None for p in m.features.parameters()), "the no_grad region got gradients"
     assert_same_state(plain, loaded)
     assert_same_state(plain, twin)
+
+
+# --- autocast regions inside forward -----------------------------------------------------------
+
+
+class InlineAutocast(nn.Module):
+    """``with torch.autocast("cpu", dtype=...)`` written in forward around a probe and two blocks;
+    ``shared`` (with BatchNorm) is called before the region and again inside it. ``dtype=None``:
+    the region takes the caller's autocast dtype, as ``torch.autocast`` does."""
+
+    def __init__(self, c=8, dtype=torch.bfloat16):
+        super().__init__()
+        self.dtype = dtype
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.shared = _block(c)
+        self.probe = AutocastProbe(c)
+        self.region = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.body = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        h = self.shared(self.stem(x))
+        with torch.autocast("cpu", dtype=self.dtype):
+            r = self.region(self.probe(self.shared(h)))
+        return self.head(self.body(r.float() + h))
+
+
+class AutocastOff(nn.Module):
+    """``with torch.autocast("cpu", enabled=False)`` in forward: a float32 region, which differs
+    from the rest only when the caller runs the model under autocast."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.body = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.probe = AutocastProbe(c)
+        self.tail = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        h = self.body(self.stem(x))
+        with torch.autocast("cpu", enabled=False):
+            h = self.probe(h.float()).softmax(dim=1)
+        return self.head(self.tail(h))
+
+
+def _outer(dtype):
+    return torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def _autocast_step(model, x, outer, seed):
+    torch.manual_seed(seed)
+    with _outer(outer):
+        out = model(x)
+        loss = loss_of(out.float())
+    loss.backward()  # outside autocast, as in the usual AMP recipe
+    return out.detach()
+
+
+# (model, what the probe inside the region must see for a given outer dtype, the record in the code)
+AUTOCAST_REGIONS = {
+    "bf16": (InlineAutocast, lambda outer: (True, torch.bfloat16), "('cpu', True, torch.bfloat16, None)"),
+    "inherit": (lambda: InlineAutocast(dtype=None), lambda outer: (True, outer or torch.bfloat16),
+                "('cpu', True, None, None)"),
+    "off": (AutocastOff, lambda outer: (False, torch.float32), "('cpu', False, None, None)"),
+}
+
+
+# The plain InlineAutocast fails under an outer float16 autocast: the weight cast cached for the
+# first call of ``shared`` is reused, in float16, by its call in the bfloat16 region.
+@pytest.mark.parametrize("region, outer", [
+    pytest.param(region, outer, id=f"{region}-{'outer-' + str(outer)[6:] if outer else 'no-outer'}")
+    for region, outer in [("bf16", None), ("bf16", torch.bfloat16), ("inherit", None),
+                          ("inherit", torch.float16), ("off", None), ("off", torch.bfloat16)]
+])
+def test_autocast_region_inside_forward_runs_as_in_the_plain_model(region, outer):
+    """torch.fx does not record `with torch.autocast(...)`; the emitted graph applies the region's
+    own settings again, recomputation included, over whatever autocast state the caller has."""
+    build, expected, record = AUTOCAST_REGIONS[region]
+    torch.manual_seed(0)
+    plain, model = pair(build())
+    compiled = fxremat.compile(model, "min", leaf_modules=(AutocastProbe,), cost_model="flops")
+    x = torch.randn(*SHAPE)
+    outs = []
+    for m in (plain, compiled):
+        with _outer(outer):
+            m(x)  # the compiled model plans here, under the caller's autocast state
+        probe = m.probe if m is plain else compiled._remat.model.probe
+        probe.seen.clear()
+        outs.append(_autocast_step(m, x, outer, seed=1))
+        # forward, then (compiled) recomputations: nested checkpoints may rerun the probe
+        assert probe.seen and set(probe.seen) == {expected(outer)}, (type(m).__name__, probe.seen)
+        assert len(probe.seen) >= (2 if m is compiled else 1)
+    assert any(s.recomputed and "probe" in s.nodes for s in compiled.plan.segments)
+    assert compiled.code.count(f"fxremat_autocast = ({record},)") >= 3  # the probe and the region's layers
+    assert outs[0].dtype == outs[1].dtype and torch.equal(outs[0], outs[1])
+    assert_same_state(plain, compiled)
+
+
+def test_autocast_region_survives_pickling():
+    torch.manual_seed(0)
+    plain, model = pair(InlineAutocast())
+    x = torch.randn(*SHAPE)
+    buffer = io.BytesIO()
+    torch.save(fxremat.compile(model, "min", example_inputs=(x,), leaf_modules=(AutocastProbe,),
+                               cost_model="flops"), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.probe.seen.clear()
+    assert torch.equal(_autocast_step(plain, x, None, seed=0), _autocast_step(loaded, x, None, seed=0))
+    assert loaded.probe.seen and set(loaded.probe.seen) == {(True, torch.bfloat16)}
+    assert_same_state(plain, loaded)
+
+
+class ReadsAutocast(nn.Module):
+    """A block whose traced graph depends on the caller's autocast state: "branch" casts when
+    autocast is on, "toggle" turns it off when the caller has it on and on when off."""
+
+    def __init__(self, kind, c=8):
+        super().__init__()
+        self.kind = kind
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x):
+        if self.kind == "branch":
+            h = self.conv(x)
+            return h.float() if torch.is_autocast_enabled("cpu") else h
+        with torch.autocast("cpu", enabled=not torch.is_autocast_enabled("cpu")):
+            return self.conv(x.float()).float()
+
+
+class WithReader(nn.Module):
+    def __init__(self, kind, c=8, inline=False):
+        super().__init__()
+        self.inline = inline
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.reader = ReadsAutocast(kind, c)
+        self.body = nn.Sequential(*[_block(c) for _ in range(2)])
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        if self.inline:  # the reader's code in this forward
+            h = ReadsAutocast.forward(self.reader, h)
+        else:
+            h = self.reader(h)
+        return self.head(self.body(h))
+
+
+@pytest.mark.parametrize("kind", ["branch", "toggle"])
+def test_submodule_reading_the_autocast_state_becomes_a_leaf(kind):
+    torch.manual_seed(0)
+    plain, model = pair(WithReader(kind))
+    with pytest.warns(UserWarning, match="submodule 'reader' depends on the caller's autocast state"):
+        compiled = fxremat.compile(model, "min", cost_model="flops")
+    assert "reader_conv" not in compiled._remat.traced.code and "self.reader(" in compiled._remat.traced.code
+    x = torch.randn(*SHAPE)
+    for step, outer in enumerate((None, torch.bfloat16)):
+        outs = [_autocast_step(m, x, outer, seed=step) for m in (plain, compiled)]
+        assert outs[0].dtype == outs[1].dtype and torch.equal(outs[0], outs[1])
+        assert_same_state(plain, compiled)
+
+
+@pytest.mark.parametrize("kind", ["branch", "toggle"])
+def test_top_level_forward_reading_the_autocast_state_is_refused(kind):
+    with pytest.raises(fxremat.TraceError) as info:
+        fxremat.compile(WithReader(kind, inline=True), "min", cost_model="flops")
+    message = str(info.value)
+    assert message.startswith("fxremat: ") and "WithReader.forward" in message, message
+    assert "reads the autocast state" in message and "leaf_modules=" in message, message
+    assert ("with autocast off" if kind == "branch" else "autocast enabled for 'cpu'") in message, message
 
 
 # --- models already wrapped by DDP, DataParallel, FSDP or torch.compile -------------------------

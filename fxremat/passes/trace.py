@@ -9,14 +9,26 @@
   value that another segment keeps.
 - Calls made under ``torch.no_grad()`` / ``torch.inference_mode()`` inside a ``forward`` (which
   torch.fx does not record) run under that mode again: the tracer notes the grad mode of every
-  call node it creates, and such nodes call a :class:`GradModeCall` wrapper with
+  call node it creates, and such nodes call a :class:`ModeCall` wrapper with
   ``fxremat_grad_mode=...``.
+- Likewise for ``torch.autocast(...)`` inside a ``forward``: the model is traced twice, under two
+  probe autocast states that differ in every setting (for every device type autocast off,
+  bfloat16, weight cache on; autocast on, float16, cache off). A setting of a call node that is the
+  same in both traces was set by the model's own code, one that follows the probe is the
+  caller's; such nodes call the wrapper with ``fxremat_autocast=((device_type, enabled, dtype,
+  cache_enabled), ...)``, ``None`` meaning "as the caller's". Regions that turn autocast off or
+  change its dtype are found too, which a single trace outside autocast cannot see. A submodule
+  whose traced graph depends on the caller's autocast state (``if torch.is_autocast_enabled():``)
+  becomes a leaf, with a warning; such code in the top-level ``forward`` raises
+  :class:`fxremat.TraceError`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
+import itertools
 import logging
 import operator
 import warnings
@@ -26,7 +38,8 @@ import torch.fx as fx
 
 from ..errors import TraceError
 
-__all__ = ["trace", "normalize_inplace", "restore_grad_modes", "GradModeCall", "GRAD_MODE_KWARG"]
+__all__ = ["trace", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+           "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
 
@@ -34,9 +47,16 @@ _MAX_AUTO_LEAVES = 64
 _CALL_OPS = ("call_module", "call_function", "call_method")
 # node.meta key: the grad mode a call node was traced under, when it is not the default one.
 _GRAD_MODE_META = "fxremat_grad_mode"
-# The keyword a GraphModule passes to GradModeCall: the mode of that call.
+# The keyword a GraphModule passes to ModeCall: the grad mode of that call.
 GRAD_MODE_KWARG = "fxremat_grad_mode"
 _GRAD_MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+# node.meta keys: the raw autocast state a call node was traced under, and the autocast settings
+# the model's own code chose for it (a ModeCall record, set only where there are some).
+_AUTOCAST_STATE_META = "fxremat_autocast_state"
+_AUTOCAST_META = "fxremat_autocast"
+# The keyword a GraphModule passes to ModeCall: ((device_type, enabled, dtype, cache_enabled), ...).
+AUTOCAST_KWARG = "fxremat_autocast"
+_AUTOCAST_DEVICE_CANDIDATES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "maia", "ipu")
 _INPLACE_METHODS = frozenset({
     "add_", "sub_", "mul_", "div_", "relu_", "sigmoid_", "tanh_", "clamp_", "clamp_min_",
     "clamp_max_", "neg_", "exp_", "sqrt_", "pow_", "masked_fill_", "hardtanh_", "abs_",
@@ -51,13 +71,34 @@ _INPLACE_OPERATORS = {
 class _LeafTracer(fx.Tracer):
     """An fx.Tracer that keeps the configured leaves and remembers the module being traced."""
 
-    def __init__(self, leaf_classes: tuple = (), leaf_names: frozenset = frozenset()):
+    def __init__(self, leaf_classes: tuple = (), leaf_names: frozenset = frozenset(), autocast_devices: tuple = ()):
         # Defaults: unpickling a GraphModule re-creates its tracer class with no arguments.
         super().__init__()
         self.leaf_classes = leaf_classes
         self.leaf_names = leaf_names
         self.stack: list[str] = []
         self.record_stack_traces = True
+        self.autocast_devices = autocast_devices  # whose autocast state each call node notes
+        # Names of the attributes (tensor constants) this tracer sets on the root. fx numbers them
+        # with a counter shared by all tracers; one per tracer makes two traces of a model name
+        # them alike.
+        self.created_attrs: list[str] = []
+        # What the trace did, in order: ("enter"/"exit", path) of each traced (non-leaf) module's
+        # forward and ("node", node) for each node created.
+        self.events: list[tuple] = []
+        self._qualname_counter = collections.defaultdict(int)
+
+    def get_fresh_qualname(self, prefix: str) -> str:
+        name = super().get_fresh_qualname(prefix)
+        self.created_attrs.append(name)
+        return name
+
+    def drop_created_attrs(self) -> None:
+        """Remove from the traced model the attributes this trace set on it."""
+        root = getattr(self, "root", None)
+        for name in self.created_attrs:
+            if root is not None and name in root.__dict__:
+                delattr(root, name)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)):
@@ -66,19 +107,28 @@ class _LeafTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        # The tracer runs the Python forward, so `with torch.no_grad():` really toggles the mode
-        # while the nodes of its body are created; torch.fx itself records nothing of it.
+        # The tracer runs the Python forward, so `with torch.no_grad():` and `with torch.autocast(...)`
+        # really change the state while the nodes of their body are created; torch.fx itself
+        # records nothing of them.
         if kind in _CALL_OPS:
             if torch.is_inference_mode_enabled():
                 node.meta[_GRAD_MODE_META] = "inference_mode"
             elif not torch.is_grad_enabled():
                 node.meta[_GRAD_MODE_META] = "no_grad"
+            node.meta[_AUTOCAST_STATE_META] = _autocast_state(self.autocast_devices)
+        self.events.append(("node", node))
         return node
 
     def call_module(self, m, forward, args, kwargs):
         # On an exception the stack is left as is: its last entry names the failing submodule.
-        self.stack.append(self.path_of_module(m))
+        path = self.path_of_module(m)
+        self.stack.append(path)
+        traced = not self.is_leaf_module(m, path)
+        if traced:
+            self.events.append(("enter", path))
         out = super().call_module(m, forward, args, kwargs)
+        if traced:
+            self.events.append(("exit", path))
         self.stack.pop()
         return out
 
@@ -98,16 +148,185 @@ def _split_leaves(leaf_modules) -> tuple[tuple, frozenset]:
     return tuple(classes), frozenset(names)
 
 
+def _autocast_devices() -> tuple[str, ...]:
+    """The device types this build of torch keeps an autocast state for (a custom backend too)."""
+    names = _AUTOCAST_DEVICE_CANDIDATES + (torch._C._get_privateuse1_backend_name(),)
+    return tuple(d for d in dict.fromkeys(names) if torch.amp.is_autocast_available(d))
+
+
+def _autocast_state(devices) -> tuple:
+    """``((enabled, dtype) for each device type) + (weight cache enabled,)``."""
+    per_device = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices)
+    return per_device + (torch.is_autocast_cache_enabled(),)
+
+
+def _set_autocast_state(devices, state: tuple) -> None:
+    for device, (enabled, dtype) in zip(devices, state):
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, dtype)
+    torch.set_autocast_cache_enabled(state[-1])
+
+
+@contextlib.contextmanager
+def _autocast_set_to(devices, state: tuple):
+    """Set the autocast state (as :func:`_autocast_state` gives it) for the duration of the
+    block; the previous one comes back after it."""
+    saved = _autocast_state(devices)
+    try:
+        _set_autocast_state(devices, state)
+        yield
+    finally:
+        _set_autocast_state(devices, saved)
+
+
+def _probe_dtypes(device: str) -> tuple:
+    """Two dtypes ``torch.autocast(device)`` accepts, different where it accepts two (a region
+    that inherits the caller's dtype must get a valid one in both traces)."""
+    if device == "cuda" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        return torch.float16, torch.float16
+    backend = getattr(torch, device, None) if device == torch._C._get_privateuse1_backend_name() else None
+    supported = list(backend.get_amp_supported_dtype()) if hasattr(backend, "get_amp_supported_dtype") else []
+    return (supported[0], supported[-1]) if supported else (torch.bfloat16, torch.float16)
+
+
+def _probe_states(devices) -> tuple[tuple, tuple]:
+    """The two autocast states the model is traced under, as :func:`_autocast_state` gives them:
+    every device type's autocast off, then on, with another dtype where the device type takes
+    two, and the weight cache on, then off. The graph traced under the first is the one kept."""
+    dtypes = [_probe_dtypes(device) for device in devices]
+    return (tuple((False, low) for low, _ in dtypes) + (True,),
+            tuple((True, high) for _, high in dtypes) + (False,))
+
+
+class _AutocastDependent(Exception):
+    """The traced graph depends on the caller's autocast state in a way a record cannot replay."""
+
+    def __init__(self, owner: str, reason: str):
+        super().__init__(reason)
+        self.owner = owner
+
+
+def _chosen(kept, probed, probes: tuple, what: str):
+    """The value the model's own code set (the same under both probe states), or ``None`` where
+    it is the caller's (each trace saw its probe's value)."""
+    if kept == probed:
+        return kept
+    if (kept, probed) == probes:
+        return None
+    raise ValueError(
+        f"{what} was {kept} where the caller's was {probes[0]} and {probed} where the caller's "
+        f"was {probes[1]}"
+    )
+
+
+def _autocast_record(kept: tuple, probed: tuple, devices, probes: tuple) -> tuple:
+    """The ``fxremat_autocast`` record of a call node from its states in the two traces."""
+    entries = []
+    for i, device in enumerate(devices):
+        (enabled_a, dtype_a), (enabled_b, dtype_b) = kept[i], probed[i]
+        (off, low), (on, high) = probes[0][i], probes[1][i]
+        enabled = _chosen(enabled_a, enabled_b, (off, on), f"autocast enabled for {device!r}")
+        # Without autocast the dtype setting does nothing (a nested autocast inherits it, and that
+        # nested region's own nodes carry the dtype they ran with).
+        dtype = None if enabled is False else _chosen(
+            dtype_a, dtype_b, (low, high), f"the autocast dtype for {device!r}")
+        if enabled is not None or dtype is not None:
+            entries.append((device, enabled, dtype))
+    if not entries:  # the weight cache alone changes no value
+        return ()
+    cache = _chosen(kept[-1], probed[-1], (probes[0][-1], probes[1][-1]), "the autocast weight cache flag")
+    return tuple((device, enabled, dtype, cache) for device, enabled, dtype in entries)
+
+
+def _event_key(event) -> tuple:
+    kind, what = event
+    if kind != "node":
+        return event
+    args = fx.node.map_arg((what.args, what.kwargs), lambda n: n.name)
+    return kind, what.op, what.name, what.target, repr(args)
+
+
+def _describe(event) -> str:
+    if event is None:
+        return "the end of the trace"
+    kind, what = event
+    if kind == "node":
+        return f"node {what.format_node()}"
+    return f"a call of {what!r}" if kind == "enter" else f"the return from {what!r}"
+
+
+def _record_autocast(kept: _LeafTracer, probed: _LeafTracer, probes: tuple) -> None:
+    """Note in ``node.meta`` of the call nodes ``kept`` traced the autocast settings the model's
+    own code chose, comparing each with the same node of ``probed`` (traced under the other probe).
+
+    Raises :class:`_AutocastDependent` where the two traces differ or a setting is neither the
+    model's own nor the caller's, naming the module whose forward was running there: all that
+    ran between the last event the traces share and the first they do not is its code.
+    """
+    stack: list[str] = []  # the traced modules whose forward is running, outermost first
+    for a, b in itertools.zip_longest(kept.events, probed.events):
+        owner = stack[-1] if stack else ""
+        if a is None or b is None or _event_key(a) != _event_key(b):
+            raise _AutocastDependent(
+                owner, f"its traced graph changes with the caller's autocast state: {_describe(a)} "
+                       f"with autocast off, {_describe(b)} with it on",
+            )
+        kind, what = a
+        if kind == "enter":
+            stack.append(what)
+        elif kind == "exit":
+            stack.pop()
+        elif _AUTOCAST_STATE_META in what.meta:
+            state = what.meta.pop(_AUTOCAST_STATE_META)
+            try:
+                record = _autocast_record(state, b[1].meta[_AUTOCAST_STATE_META], kept.autocast_devices, probes)
+            except ValueError as exc:
+                raise _AutocastDependent(owner, f"at node {what.name!r}, {exc}") from None
+            if record:
+                what.meta[_AUTOCAST_META] = record
+
+
+def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, probe: tuple) -> fx.Graph:
+    # Grad enabled, as in the training forward the graph replaces (also when compile is called
+    # under no_grad): only the model's own no_grad regions are marked.
+    with torch.enable_grad(), _autocast_set_to(tracer.autocast_devices, probe):
+        return tracer.trace(model, concrete_args=concrete_args)
+
+
 def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.GraphModule:
     """Symbolically trace ``model``; untraceable submodules become leaves (with a warning)."""
     classes, names = _split_leaves(leaf_modules)
+    devices = _autocast_devices()
+    probes = _probe_states(devices)
     for _ in range(_MAX_AUTO_LEAVES):
-        tracer = _LeafTracer(classes, names)
+        tracer = _LeafTracer(classes, names, devices)
         try:
-            # Grad enabled, as in the training forward the graph replaces (also when compile is
-            # called under no_grad): only the model's own no_grad regions are marked.
-            with torch.enable_grad():
-                graph = tracer.trace(model, concrete_args=concrete_args)
+            # The probe trace first: it leaves the model as it found it, so that the kept trace
+            # names its tensor constants alike.
+            try:
+                _trace_under(tracer, model, concrete_args, probes[1])
+            finally:
+                tracer.drop_created_attrs()
+            probed, tracer = tracer, _LeafTracer(classes, names, devices)
+            graph = _trace_under(tracer, model, concrete_args, probes[0])
+            _record_autocast(tracer, probed, probes)
+        except _AutocastDependent as exc:
+            if not exc.owner or exc.owner in names:
+                code = f"{type(model).__name__}.forward" if not exc.owner else f"the forward of {exc.owner!r}"
+                raise TraceError(exc.owner, RuntimeError(str(exc)), hint=(
+                    f"move the code in {code} that reads the autocast state (torch.is_autocast_enabled(), "
+                    "torch.get_autocast_dtype(), ...) into a submodule and pass that submodule in "
+                    "leaf_modules=, so that it runs as written under the caller's autocast state"
+                )) from None
+            warnings.warn(
+                f"fxremat: submodule {exc.owner!r} depends on the caller's autocast state in a way "
+                f"the traced graph cannot replay ({exc}); treating it as one leaf node (it runs as "
+                f"written and is kept or recomputed whole). Pass leaf_modules=({exc.owner!r},) to "
+                f"silence this warning.",
+                stacklevel=3,
+            )
+            names = names | {exc.owner}
+            continue
         except Exception as exc:  # torch.fx raises many types (TraceError, TypeError, ...)
             failing = tracer.stack[-1] if tracer.stack else ""
             if not failing or failing in names:
@@ -121,7 +340,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             names = names | {failing}
             continue
         name = type(model).__name__
-        return restore_grad_modes(normalize_inplace(fx.GraphModule(tracer.root, graph, name)))
+        return restore_modes(normalize_inplace(fx.GraphModule(tracer.root, graph, name)))
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
 
 
@@ -184,38 +403,53 @@ def normalize_inplace(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-class GradModeCall(torch.nn.Module):
-    """A call of the traced graph that the original forward made under ``torch.no_grad()`` or
-    ``torch.inference_mode()``.
+class ModeCall(torch.nn.Module):
+    """A call of the traced graph that the original forward made under ``torch.no_grad()``,
+    ``torch.inference_mode()`` or a ``torch.autocast(...)`` state of its own.
 
-    ``GradModeCall(module)`` calls the module (its calls outside such a region go through the same
-    wrapper, without the keyword, so they keep their order); ``GradModeCall(function=f)`` and
-    ``GradModeCall(method="name")`` call a function or a tensor method. A call with
-    ``fxremat_grad_mode="no_grad"`` or ``"inference_mode"`` runs under that mode, exactly as the
-    plain forward did; without it, under the caller's mode.
+    ``ModeCall(module)`` calls the module (its calls outside such a region go through the same
+    wrapper, without the keywords, so they keep their order); ``ModeCall(function=f)`` and
+    ``ModeCall(method="name")`` call a function or a tensor method. A call with
+    ``fxremat_grad_mode="no_grad"`` or ``"inference_mode"`` runs under that mode, and one with
+    ``fxremat_autocast=((device_type, enabled, dtype, cache_enabled), ...)`` under
+    ``torch.autocast`` with those arguments (``None``: the caller's setting), exactly as the
+    plain forward did; without them, under the caller's modes.
     """
 
     def __init__(self, module: torch.nn.Module | None = None, *, function=None, method: str | None = None):
         super().__init__()
         if (module is None) + (function is None) + (method is None) != 2:
-            raise TypeError("GradModeCall takes exactly one of module, function= or method=")
+            raise TypeError("ModeCall takes exactly one of module, function= or method=")
         self.inner = module
         self.function = function
         self.method = method
 
     def forward(self, *args, **kwargs):
         mode = kwargs.pop(GRAD_MODE_KWARG, None)
+        autocast = kwargs.pop(AUTOCAST_KWARG, ())
         with _GRAD_MODES[mode]() if mode is not None else contextlib.nullcontext():
-            if self.inner is not None:
-                return self.inner(*args, **kwargs)
-            if self.function is not None:
-                return self.function(*args, **kwargs)
-            return getattr(args[0], self.method)(*args[1:], **kwargs)
+            return self._call(autocast, args, kwargs)
+
+    def _call(self, autocast: tuple, args, kwargs):
+        if autocast:  # one torch.autocast per device type, nested
+            (device, enabled, dtype, cache), rest = autocast[0], autocast[1:]
+            if enabled is None:
+                enabled = torch.is_autocast_enabled(device)
+            with torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                return self._call(rest, args, kwargs)
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        if self.function is not None:
+            return self.function(*args, **kwargs)
+        return getattr(args[0], self.method)(*args[1:], **kwargs)
 
     def extra_repr(self) -> str:
         if self.function is not None:
             return f"function={getattr(self.function, '__qualname__', self.function)!r}"
         return f"method={self.method!r}" if self.method is not None else ""
+
+
+GradModeCall = ModeCall  # its name before it handled autocast too (pickles refer to it)
 
 
 def _free_name(gm: fx.GraphModule, base: str) -> str:
@@ -237,24 +471,26 @@ def _drop_unused_paths(gm: fx.GraphModule, targets) -> None:
         gm.delete_submodule(target)
 
 
-def restore_grad_modes(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make the call nodes traced under ``no_grad``/``inference_mode`` run under it again.
+def restore_modes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make the call nodes traced under ``no_grad``/``inference_mode`` or an autocast state the
+    model's own code set run under it again.
 
-    Each becomes a ``call_module`` of a :class:`GradModeCall` with ``fxremat_grad_mode=...``;
-    every call of a module that is called at least once that way goes through one wrapper (one
-    target, so calls of a shared module keep their order and their buffers are found). Calls
-    with no node input (factories such as ``torch.zeros``) do not depend on the grad mode and
-    are left as they are. ``gm`` is changed in place and returned.
+    Each becomes a ``call_module`` of a :class:`ModeCall` with ``fxremat_grad_mode=...`` and/or
+    ``fxremat_autocast=...``; every call of a module that is called at least once that way goes
+    through one wrapper (one target, so calls of a shared module keep their order and their
+    buffers are found). Calls with no node input (factories such as ``torch.zeros``) depend on
+    neither and are left as they are. ``gm`` is changed in place and returned.
     """
+    metas = ((_GRAD_MODE_META, GRAD_MODE_KWARG), (_AUTOCAST_META, AUTOCAST_KWARG))
     marked = [n for n in gm.graph.nodes
-              if n.op in _CALL_OPS and _GRAD_MODE_META in n.meta and n.all_input_nodes]
+              if n.op in _CALL_OPS and n.all_input_nodes and any(m in n.meta for m, _ in metas)]
     if not marked:
         return gm
     wrappers: dict[str, str] = {}
     for node in marked:
         if node.op == "call_module" and node.target not in wrappers:
-            name = _free_name(gm, node.target.replace(".", "_") + "_grad_mode")
-            gm.add_submodule(name, GradModeCall(gm.get_submodule(node.target)))
+            name = _free_name(gm, node.target.replace(".", "_") + "_mode")
+            gm.add_submodule(name, ModeCall(gm.get_submodule(node.target)))
             wrappers[node.target] = name
     for node in gm.graph.nodes:  # every call of a wrapped module, in either mode
         if node.op == "call_module" and node.target in wrappers:
@@ -262,15 +498,16 @@ def restore_grad_modes(gm: fx.GraphModule) -> fx.GraphModule:
     _drop_unused_paths(gm, wrappers)
     for node in marked:
         if node.op == "call_function":
-            name = _free_name(gm, f"{node.name}_grad_mode")
-            gm.add_submodule(name, GradModeCall(function=node.target))
+            name = _free_name(gm, f"{node.name}_mode")
+            gm.add_submodule(name, ModeCall(function=node.target))
             node.op, node.target = "call_module", name
         elif node.op == "call_method":
-            name = _free_name(gm, f"{node.name}_grad_mode")
-            gm.add_submodule(name, GradModeCall(method=node.target))
+            name = _free_name(gm, f"{node.name}_mode")
+            gm.add_submodule(name, ModeCall(method=node.target))
             node.op, node.target = "call_module", name
-        node.kwargs = {**node.kwargs, GRAD_MODE_KWARG: node.meta[_GRAD_MODE_META]}
-    log.debug("fxremat: %d call node(s) traced under no_grad/inference_mode run under it again", len(marked))
+        node.kwargs = {**node.kwargs, **{kwarg: node.meta[m] for m, kwarg in metas if m in node.meta}}
+    log.debug("fxremat: %d call node(s) traced under no_grad/inference_mode or the model's own "
+              "autocast state run under it again", len(marked))
     gm.graph.lint()
     gm.recompile()
     return gm
