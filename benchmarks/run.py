@@ -8,8 +8,11 @@ Two scales, every row measured the same way in the same run:
    backward on fake tensors. The paper's numbers are printed beside them.
 2. Real steps on this machine (small inputs): step time vs measured peak for plain, hand
    per-block checkpoints, ``checkpoint_sequential`` (chain nets, every segment count from 2 to
-   2√L) and fxremat at several budgets. Step times are medians of interleaved repeats, reported
-   as ratios to plain measured in the same loop.
+   2√L), fxremat at several budgets and torch.compile's ``activation_memory_budget`` swept over
+   fractions (its partitioned graphs replayed under the same tracker: ``compile_budget.py``).
+   Step times are medians of interleaved repeats, reported as ratios to plain measured in the
+   same loop. Rockmate, when ``--rockmate-python`` names an interpreter where it is installed,
+   is tried on the U-Net at half the plain peak in a child process with a time limit.
 
 Writes ``paper_scale.md``, ``cpu_tradeoff.md`` and ``cpu_tradeoff_<net>.png`` (with matplotlib)
 into ``--out`` (default ``benchmarks/results``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import pathlib
 import platform
 import statistics
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 
 import fxremat
 
-from .baselines import SequentialCheckpoint, checkpoint_blocks
+from . import compile_budget
+from .baselines import SequentialCheckpoint, checkpoint_blocks, rockmate_rows, rockmate_table
 from .nets import resnet_chain
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -183,6 +188,7 @@ def _variants(name, build, x, chain: bool, budgets):
             print(f"{name}: budget {budget} infeasible (min {err.min_feasible_bytes / MIB:.1f} MiB), row skipped")
             continue
         variants.append((f"fxremat {budget}", "fxremat", compiled))
+    variants += compile_budget.variants(base, x, step, loss_of)  # its budget sweep, one row per partition
     return variants
 
 
@@ -209,7 +215,7 @@ def cpu_rows(name, build, shape, chain, budgets, repeats):
         plan = getattr(model, "plan", None) if isinstance(model, fxremat.RematModule) else None
         rows.append({"net": name, "variant": label, "family": family, "peak": peaks[label],
                      "ratio": statistics.median(times[label]) / plain_t, "plan": plan,
-                     "plain_peak": peaks["plain"], "step_s": statistics.median(times[label])})
+                     "plain_peak": peaks["plain"], "step_s": statistics.median(times[label]), "model": model})
     return rows
 
 
@@ -236,7 +242,8 @@ def plot(rows, path) -> bool:
         print("matplotlib not installed (pip install matplotlib): no plot written")
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
-    for family, style in (("fxremat", "o-"), ("sequential", "s--"), ("hand", "^"), ("plain", "*")):
+    for family, style in (("fxremat", "o-"), ("sequential", "s--"), (compile_budget.FAMILY, "d:"), ("hand", "^"),
+                          ("plain", "*")):
         pts = sorted((r["peak"] / MIB, r["ratio"]) for r in rows if r["family"] == family)
         if pts:
             ax.plot(*zip(*pts), style, label=family, markersize=9 if family == "plain" else 6)
@@ -249,6 +256,10 @@ def plot(rows, path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def _environment(args) -> str:
@@ -264,6 +275,9 @@ def main(argv=None) -> int:
     mode.add_argument("--full", action="store_true", help="torchvision nets at paper scale, larger CPU inputs")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--only", choices=("paper", "cpu"), help="run one of the two scales")
+    parser.add_argument("--rockmate-python", default=sys.executable,
+                        help="interpreter with rockmate and rkgb installed (a venv of its own)")
+    parser.add_argument("--rockmate-timeout", type=float, default=None, help="seconds per Rockmate solve")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -276,12 +290,19 @@ def main(argv=None) -> int:
     if args.only in (None, "cpu"):
         budgets = ["min", 0.3, 0.5, 0.7] if not args.full else ["min", 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85]
         repeats = 7 if not args.full else 15
+        load_before = _load()
         all_rows = []
         for name, build, shape, chain in cpu_nets(args.full):
             rows = cpu_rows(name, build, shape, chain, budgets, repeats)
             plot(rows, out / f"cpu_tradeoff_{name}.png")
             all_rows += rows
-        text = f"# Real steps on CPU\n\n{env}\n\n{cpu_table(all_rows)}\n"
+        noise = (f"Memory columns are exact (live-storage tracker). Step times are medians of {repeats} interleaved "
+                 f"repeats on a shared machine, load average {load_before} before and {_load()} after this section "
+                 f"on {os.cpu_count()} cores: noisy, compare ratios within one net only.")
+        rockmate = rockmate_rows(args.rockmate_python, timeout_s=args.rockmate_timeout or (1800 if args.full else 120))
+        text = (f"# Real steps on CPU\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
+                f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
+                f"{rockmate_table(rockmate)}\n")
         (out / "cpu_tradeoff.md").write_text(text)
         print(text)
     return 0

@@ -1,0 +1,341 @@
+"""torch.compile's activation memory budget as a benchmark row, measured exactly on CPU.
+
+``torch._functorch.config.activation_memory_budget`` (a fraction, default 1.0) bounds the bytes
+torch.compile's min-cut partitioner *saves for backward*; a knapsack over the forward's ops then
+decides what the backward recomputes. Its peak is not monotonic in the fraction, so the harness
+sweeps it (:data:`FRACTIONS`).
+
+How it is measured. A dispatch-mode tracker does not see Inductor's kernels, and torch.compile
+falls back to eager under an active dispatch mode, so this row compiles the model the way
+Inductor's front half does and runs the result eagerly:
+
+- ``aot_module_simplified`` (AOTAutograd, what ``torch.compile``'s ``aot_autograd`` backends call)
+  traces the joint forward/backward graph with Inductor's decomposition table;
+- the partitioner is ``min_cut_rematerialization_partition(compiler="inductor")`` with the
+  budget set, so the saved set and the recomputation are the ones Inductor receives (Inductor's
+  joint-graph pattern passes, which run before it, are skipped);
+- the forward and backward compilers return the partitioned FX graphs as eager code with the
+  boxed calling convention (inputs released as soon as they are dead, as Inductor's generated
+  code does), so every aten op runs under :class:`fxremat.measure.LiveStorageTracker`.
+
+The measured peak is therefore that of the partitioned graphs run op by op, unfused. Inductor's
+fusion can remove intermediate buffers, never saved ones: ``live after forward`` (the bytes
+alive when the forward returns: the saved set plus the output) is a floor for Inductor's own
+peak (up to the joint-graph passes skipped here). Step times are those of the eager replay of decomposed graphs, not of Inductor's kernels:
+``step / plain`` includes the slowdown of unfused decompositions, ``step / compile 1.0`` isolates
+what the budget's recomputation costs.
+
+Calibration against Inductor itself: ``python -m benchmarks.compile_budget`` compiles the U-Net
+with real ``torch.compile`` (Inductor) at a few fractions and measures every variant with the
+profiler's allocation events (every CPU allocation, op workspaces included, a different metric
+from the tracker's op outputs), beside plain eager, the replay and fxremat, with step times
+interleaved. It writes ``compile_inductor.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from fxremat.measure import LiveStorageTracker
+
+__all__ = ["FRACTIONS", "CompileBudget", "variants", "describe", "allocated_peak", "calibrate"]
+
+FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+FAMILY = "torch.compile replay"  # its partitioned graphs, run eagerly
+MIB = 2**20
+
+
+class _TupleOutput(nn.Module):
+    """AOTAutograd's simplified entry point wants tuple outputs."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return (self.model(x),)
+
+
+def _boxed_code(gm: torch.fx.GraphModule):
+    """The graph as Python code taking one list of inputs that it clears (boxed convention)."""
+    boxed_codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if boxed_codegen is None:  # older torch: the interpreter frees values after their last use
+        interpreter = torch.fx.Interpreter(gm)
+        return interpreter.boxed_run
+    gm.graph.set_codegen(boxed_codegen())
+    gm.recompile()
+    return gm.forward
+
+
+def _eager_compiler(graphs: dict, kind: str):
+    """An AOTAutograd compiler that keeps the partitioned graph's code and runs it eagerly."""
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs):
+        graphs[kind] = gm.code
+        graphs[f"{kind}_nodes"] = len(gm.graph.nodes)
+        run = _boxed_code(gm)
+
+        def boxed(args):
+            return run(args)
+
+        boxed._boxed_call = True
+        return boxed
+
+    return compiler
+
+
+class CompileBudget(nn.Module):
+    """``model`` compiled by AOTAutograd with torch.compile's partitioner at ``fraction``.
+
+    Shares ``model``'s parameters (so ``.grad`` accumulates on them as in eager). Compiling
+    happens here, with ``step(self, example_input)`` run once so that the backward graph is
+    compiled too; ``compile_seconds`` covers both, ``graphs`` holds the partitioned code.
+    """
+
+    def __init__(self, model: nn.Module, fraction: float, example_input: torch.Tensor, step):
+        super().__init__()
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._inductor.compile_fx import select_decomp_table
+
+        self.model, self.fraction, self.graphs = model, fraction, {}
+        start = time.perf_counter()
+        with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False):
+            self._compiled = aot_module_simplified(
+                _TupleOutput(model), (example_input,),
+                fw_compiler=_eager_compiler(self.graphs, "forward"),
+                bw_compiler=_eager_compiler(self.graphs, "backward"),
+                partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+                decompositions=select_decomp_table(),
+            )
+            step(self, example_input)
+        self.compile_seconds = time.perf_counter() - start
+        self.fractions = [fraction]  # every fraction that gave this same partition
+
+    def forward(self, x):
+        return self._compiled(x)[0]
+
+    def partition_key(self) -> str:
+        return self.graphs["forward"] + self.graphs["backward"]
+
+
+def live_after_forward(module: nn.Module, x: torch.Tensor, loss_fn) -> int:
+    """Bytes allocated by the forward and still alive when it returns (saved set + output)."""
+    tracker = LiveStorageTracker()
+    with tracker:
+        out = module(x)
+        live = tracker.live_bytes
+        loss_fn(out).backward()
+    return live
+
+
+def variants(model: nn.Module, x: torch.Tensor, step, loss_fn, fractions=FRACTIONS) -> list:
+    """``(label, family, module)`` per distinct partition over ``fractions``, for the harness.
+
+    Fractions whose partitioned graphs are identical share one row labelled with all of them.
+    """
+    by_key: dict[str, CompileBudget] = {}
+    for fraction in fractions:
+        module = CompileBudget(copy.deepcopy(model), fraction, x, step)
+        key = module.partition_key()
+        if key in by_key:
+            by_key[key].fractions.append(fraction)
+            continue
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        module.live_after_forward = live_after_forward(module, x, loss_fn)
+        by_key[key] = module
+    out = []
+    for module in by_key.values():
+        label = f"{FAMILY} {'/'.join(f'{f:g}' for f in module.fractions)}"
+        out.append((label, FAMILY, module))
+    return out
+
+
+def _fastest_fxremat_within(rows, net: str, peak: int):
+    fits = [r for r in rows if r["net"] == net and r["family"] == "fxremat" and r["peak"] <= peak]
+    return min(fits, key=lambda r: r["ratio"]) if fits else None
+
+
+def describe(rows) -> str:
+    """A markdown section for the torch.compile rows in ``rows`` (the harness's CPU rows, each
+    with its ``model``), beside the fastest fxremat row that fits in the same measured peak."""
+    compiled = [r for r in rows if r["family"] == FAMILY]
+    if not compiled:
+        return ""
+    lines = [
+        "## torch.compile `activation_memory_budget` (AOTAutograd's partitioned graphs replayed under "
+        "the tracker)",
+        "",
+        "Each row: the model compiled by `aot_module_simplified` with Inductor's decompositions and "
+        "`min_cut_rematerialization_partition(compiler=\"inductor\")` at the budget fractions listed "
+        "(fractions giving identical partitioned graphs share a row); the partitioned forward and "
+        "backward graphs run eagerly, with boxed inputs, under the same live-storage tracker and with "
+        "the same pre-allocated gradients as every other row. `live after fw` is what the forward "
+        "leaves alive (saved set + output): fusion cannot go below it, so Inductor's own peak lies at "
+        "or above it (up to the joint-graph passes skipped here). Step times are those of the unfused eager replay (noisy, see above); `/ compile "
+        "1.0` divides by the replay at budget 1.0, i.e. the cost of the budget's recomputation alone; "
+        "Inductor's fused code is faster than eager on this CPU, see `compile_inductor.md` "
+        "(`python -m benchmarks.compile_budget`), which also compares the replay's peak with Inductor's. "
+        "The last columns give the fastest fxremat row of the table whose measured peak is no higher.",
+        "",
+        "| net | budgets | measured peak MiB | vs plain | live after fw MiB | step / plain | "
+        "step / compile 1.0 | compile s | fastest fxremat within that peak: row, peak MiB, step / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in compiled:
+        module = r["model"]
+        base = next((c for c in compiled if c["net"] == r["net"] and 1.0 in c["model"].fractions), None)
+        vs_one = f"{r['ratio'] / base['ratio']:.3f}" if base else "n/a"
+        fx = _fastest_fxremat_within(rows, r["net"], r["peak"])
+        fx_text = f"{fx['variant']}, {fx['peak'] / MIB:.1f}, {fx['ratio']:.3f}" if fx else "none fits"
+        lines.append(
+            f"| {r['net']} | {'/'.join(f'{f:g}' for f in module.fractions)} | {r['peak'] / MIB:.1f} | "
+            f"{100 * (r['peak'] / r['plain_peak'] - 1):+.0f}% | {module.live_after_forward / MIB:.1f} | "
+            f"{r['ratio']:.3f} | {vs_one} | {module.compile_seconds:.1f} | {fx_text} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Calibration of the replay against Inductor's compiled code (minutes: Inductor compiles on CPU).
+
+
+def allocated_peak(fn, *args) -> int:
+    """Peak of the running sum of the profiler's CPU allocation events during ``fn(*args)``.
+
+    Unlike the tracker it sees every allocation (op workspaces, Inductor's own buffers), so it
+    is the metric under which Inductor and eager can be compared.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _inductor(model: nn.Module, fraction: float, x: torch.Tensor, step) -> tuple[nn.Module, float]:
+    """``torch.compile(model)`` (Inductor) compiled at ``fraction``, caches off so it really is."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    start = time.perf_counter()
+    with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        step(compiled, x)
+    return compiled, time.perf_counter() - start
+
+
+def _measure(variants, x, step, with_grads, repeats) -> dict:
+    """``label -> (tracker peak or None, allocated peak, step times)``; steps interleaved."""
+    import fxremat
+
+    peaks, times = {}, {label: [] for label, _, _ in variants}
+    for label, model, _ in variants:
+        with_grads(model)
+        step(model, x)
+        tracked = None if label.startswith("torch.compile") else fxremat.measure_peak(step, model, x)[1]
+        peaks[label] = (tracked, allocated_peak(step, model, x))
+    for _ in range(repeats):
+        for label, model, _ in variants:
+            start = time.perf_counter()
+            step(model, x)
+            times[label].append(time.perf_counter() - start)
+    return {label: (*peaks[label], times[label]) for label in peaks}
+
+
+def _ratio(times, plain_times) -> float:
+    return statistics.median(times) / statistics.median(plain_times)
+
+
+def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7):
+    """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s)``.
+
+    Plain eager, fxremat and the replays are timed in one interleaved loop. Inductor is compiled
+    and measured one fraction at a time (dynamo's cache is per code object, so two compiled
+    copies of one model class would share a graph), each timed interleaved with plain eager.
+    """
+    import fxremat
+
+    torch.manual_seed(0)
+    base = build()
+    plain = ("plain eager", copy.deepcopy(base), 0.0)
+    variants = [plain]
+    for budget in fxremat_budgets:
+        start = time.perf_counter()
+        variants.append((f"fxremat {budget}", fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,)),
+                         time.perf_counter() - start))
+    for fraction in fractions:
+        replay = CompileBudget(copy.deepcopy(base), fraction, x, step)
+        variants.append((f"replay {fraction:g}", replay, replay.compile_seconds))
+    measured = _measure(variants, x, step, with_grads, repeats)
+    rows = [(label, tracked, allocated, _ratio(times, measured["plain eager"][2]), seconds)
+            for (label, _, seconds), (tracked, allocated, times) in zip(variants, measured.values())]
+    for fraction in fractions:
+        model, seconds = _inductor(copy.deepcopy(base), fraction, x, step)
+        label = f"torch.compile (Inductor) {fraction:g}"
+        pair = _measure([plain, (label, model, seconds)], x, step, with_grads, repeats)
+        rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
+        torch._dynamo.reset()
+    return rows
+
+
+def calibration_table(rows) -> str:
+    tracked_plain, allocated_plain = rows[0][1], rows[0][2]
+    lines = ["| variant | tracker peak MiB (vs plain) | allocated peak MiB (vs plain) | step / plain eager | "
+             "compile s |", "|---|---|---|---|---|"]
+    for label, tracked, allocated, ratio, seconds in rows:
+        tracked_text = (f"{tracked / MIB:.1f} ({100 * (tracked / tracked_plain - 1):+.0f}%)" if tracked is not None
+                        else "not visible")
+        allocated_text = f"{allocated / MIB:.1f} ({100 * (allocated / allocated_plain - 1):+.0f}%)"
+        lines.append(f"| {label} | {tracked_text} | {allocated_text} | {ratio:.2f} | {seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from .run import ROOT, _load, step, with_grads
+
+    parser = argparse.ArgumentParser(description="Calibrate the torch.compile replay against Inductor (U-Net).")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.3])
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "examples"))
+    import unet
+
+    torch.manual_seed(0)
+    x = torch.randn(*unet.DEMO_INPUT)
+    rows = calibrate(lambda: unet.build_model("small"), x, step, with_grads, fractions=tuple(args.fractions),
+                     repeats=args.repeats)
+    text = (f"# torch.compile: the replay against Inductor (U-Net {'x'.join(map(str, x.shape))}, CPU)\n\n"
+            f"Command: `python -m benchmarks.compile_budget {' '.join(sys.argv[1:])}`  \n"
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+            "Tracker peak: op outputs under `fxremat.measure_peak` (what the CPU trade-off table reports; it does "
+            "not see Inductor's buffers). Allocated peak: the running sum of the profiler's CPU allocation events, "
+            "op workspaces included, so higher than the tracker's for the same run. Replay: the partitioned graphs "
+            "run eagerly (`benchmarks/compile_budget.py`). Step times: medians of interleaved repeats on a shared "
+            f"machine, noisy (load average {_load()} at the end). Inductor is compiled and "
+            "timed one fraction at a time, interleaved with plain eager.\n\n" + calibration_table(rows) + "\n")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_inductor.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
