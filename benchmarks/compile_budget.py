@@ -25,11 +25,11 @@ peak (up to the joint-graph passes skipped here). Step times are those of the ea
 ``step / plain`` includes the slowdown of unfused decompositions, ``step / compile 1.0`` isolates
 what the budget's recomputation costs.
 
-Calibration against Inductor itself: ``python -m benchmarks.compile_budget`` compiles the U-Net
-with real ``torch.compile`` (Inductor) at a few fractions and measures every variant with the
-profiler's allocation events (every CPU allocation, op workspaces included, a different metric
-from the tracker's op outputs), beside plain eager, the replay and fxremat, with step times
-interleaved. It writes ``compile_inductor.md``.
+Calibration against Inductor itself: ``python -m benchmarks.compile_budget --net NET`` compiles a
+net of the CPU table with real ``torch.compile`` (Inductor) at a few fractions and measures every
+variant with the profiler's allocation events (every CPU allocation, op workspaces included, a
+different metric from the tracker's op outputs), beside plain eager, the replay and fxremat, with
+step times interleaved. It writes ``compile_inductor_<net>.md``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def describe(rows) -> str:
         "leaves alive (saved set + output): fusion cannot go below it, so Inductor's own peak lies at "
         "or above it (up to the joint-graph passes skipped here). Step times are those of the unfused eager replay (noisy, see above); `/ compile "
         "1.0` divides by the replay at budget 1.0, i.e. the cost of the budget's recomputation alone; "
-        "Inductor's fused code is faster than eager on this CPU, see `compile_inductor.md` "
+        "Inductor's fused code is faster than eager on this CPU, see `compile_inductor_<net>.md` "
         "(`python -m benchmarks.compile_budget`), which also compares the replay's peak with Inductor's. "
         "The last columns give the fastest fxremat row of the table whose measured peak is no higher.",
         "",
@@ -306,21 +306,21 @@ def calibration_table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    from .run import ROOT, _load, step, with_grads
+    from .run import ROOT, _load, cpu_nets, step, with_grads
 
-    parser = argparse.ArgumentParser(description="Calibrate the torch.compile replay against Inductor (U-Net).")
+    nets = {name: (build, shape) for name, build, shape, _ in cpu_nets(full=False)}
+    parser = argparse.ArgumentParser(description="Calibrate the torch.compile replay against Inductor.")
+    parser.add_argument("--net", choices=sorted(nets), default="unet", help="a net of the CPU trade-off table")
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.3])
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "examples"))
-    import unet
-
+    build, shape = nets[args.net]
     torch.manual_seed(0)
-    x = torch.randn(*unet.DEMO_INPUT)
-    rows = calibrate(lambda: unet.build_model("small"), x, step, with_grads, fractions=tuple(args.fractions),
+    x = torch.randn(*shape)
+    rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
                      repeats=args.repeats)
-    text = (f"# torch.compile: the replay against Inductor (U-Net {'x'.join(map(str, x.shape))}, CPU)\n\n"
+    text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, CPU)\n\n"
             f"Command: `python -m benchmarks.compile_budget {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
             "timed one fraction at a time, interleaved with plain eager.\n\n" + calibration_table(rows) + "\n")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_inductor.md").write_text(text)
+    (out / f"compile_inductor_{args.net}.md").write_text(text)
     print(text)
     return 0
 
