@@ -8,9 +8,14 @@ soon as nothing needs it; gradient buffers count):
   forward consumers ran and nothing holds it. In a plain segment autograd holds what each node
   saves until that node's backward; in a checkpointed segment only the segment's inputs are held
   (by the checkpoint) until the segment's backward ends.
-- backward, segments in reverse: a checkpointed segment is first recomputed whole (its saved
-  values held until their node's backward); then nodes in reverse order allocate their inputs'
-  gradients and release their output's gradient and their saved values. Gradient buffers are
+- backward, segments in reverse: nodes in reverse order allocate their inputs' gradients and
+  release their output's gradient and their saved values. A checkpointed segment is recomputed
+  when the first of its nodes that saves something reaches its backward (the nodes after the
+  last such node go first), and only up to that node: torch's non-reentrant checkpoint stops
+  once every tensor the segment saved is saved again (its early stop), so the nodes after it
+  are not run again. Its saved values are held until their node's backward, the others die as
+  in the forward, except the segment's outputs, which live until the recomputation stops (the
+  segment returns them); so do values whose readers come after the stop. Gradient buffers are
   reference counted: ``cat``/``stack``/same-shape ``add`` hand their inputs views of their own
   gradient, which lives until the last view dies; a second gradient for the same value is
   accumulated in place (a transient).
@@ -152,25 +157,6 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     return (mem.peak, mem.timeline) if timeline else mem.peak
 
 
-def _recompute(graph: CostGraph, seg, mem: _Memory) -> set:
-    """Re-run a checkpointed segment; return the recomputed owners it keeps for its backward."""
-    members = set(seg)
-    kept = {o for v in seg for o in graph.saved[v] if o in members}
-    needed = {v: {u for u in graph.succs[v] if u in members} for v in seg}
-    for v in seg:
-        mem.alloc(("r", v), graph.out_bytes[v], graph.transient_bytes[v])
-        mem.alloc(("x", v), graph.extra_bytes[v])
-        for p in graph.preds[v]:
-            r = graph.root[p]
-            if r in members:
-                needed[p].discard(v)
-                if not needed[p] and r not in kept:
-                    mem.free(("r", r))
-        if not needed[v] and v not in kept:
-            mem.free(("r", v))
-    return kept
-
-
 def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     """Node v's backward: its inputs' gradients appear, its output's gradient goes."""
     share = v if graph.grad_alias[v] else None
@@ -182,13 +168,48 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     mem.free(("x", v))
 
 
-def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int) -> None:
-    """Recompute ``seg`` following ``inner`` and run its backward (nested checkpoints).
+def _packs(graph: CostGraph, v: int) -> bool:
+    """Whether v's forward may hand autograd a tensor to save. The profile records saved values
+    of other nodes, v's own output and extra buffers; a node reading no other node may save only
+    graph inputs or parameters, which it does not record, so such a node counts as saving."""
+    return bool(graph.saved[v]) or graph.extra_bytes[v] > 0 or not graph.preds[v]
 
-    The recomputation is a forward over ``inner``'s segments with copies ("r", depth, v): a
-    plain inner segment keeps what its nodes save, a recomputed one only its inputs (held by
-    its checkpoint until its backward ends). The inner segments' backwards then run in reverse,
-    a recomputed one recursing one level deeper. Values outside ``seg`` are held by the levels
+
+_RETURNED = -1  # a consumer standing for the return of a recomputed segment's outputs
+
+
+def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
+    """Where the recomputation of a checkpoint running ``inner`` stops (torch's early stop):
+    ``(k, runs)`` with ``k`` the position, in the concatenated segments, of the node at which the
+    last tensor saved at this level is saved again, ``runs`` whether that node runs before (its
+    own output or extra buffers are saved after it computes, its inputs before); ``None`` when
+    nothing is saved at this level, so nothing is recomputed. A nested checkpoint saves its
+    inputs when it starts, before its first node runs."""
+    found, pos = None, 0
+    for sub, rec in zip(inner.segments, inner.recomputed):
+        if rec:
+            found = (pos, False)
+        else:
+            for k, v in enumerate(sub):
+                if _packs(graph, v):
+                    found = (pos + k, v in graph.saved[v] or graph.extra_bytes[v] > 0)
+        pos += len(sub)
+    return found
+
+
+def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int,
+                     parent=None) -> None:
+    """Run the backward of the checkpointed segment ``seg``, recomputed following ``inner``.
+
+    As in torch's non-reentrant checkpoint, the recomputation starts only when the backward first
+    unpacks a tensor saved at this level (or a nested checkpoint needs its inputs), after ``parent``
+    (the enclosing checkpoint's recomputation) has run; the backward of the nodes after the last
+    saving one runs before it. It is a forward over ``inner``'s segments with copies
+    ("r", depth, v): a plain inner segment keeps what its nodes save, a recomputed one only its
+    inputs (held by its checkpoint until its backward ends). It stops as soon as the last tensor
+    saved at this level is saved again (:func:`_stop`): what nothing saved dies then, and the
+    nodes after it are not run again. The inner segments' backwards then run in reverse, a
+    recomputed one recursing one level deeper. Values outside ``seg`` are held by the levels
     above until ``seg``'s backward ends.
     """
     members = set(seg)
@@ -207,32 +228,52 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             for o in graph.saved[v]:
                 if o in members:
                     holds[o].add(("node", v))
+        if graph.root[v] in members and (graph.is_output[v] or any(u not in members for u in graph.succs[v])):
+            needed[graph.root[v]].add(_RETURNED)
     key = lambda v: ("r", depth, v)  # noqa: E731
+    order = [v for sub in inner.segments for v in sub]
+    stop = _stop(graph, inner)
+    recomputed = False
 
     def maybe_free(r):
         if not needed[r] and not holds[r]:
             mem.free(key(r))
 
-    for v in seg:
-        mem.alloc(key(v), graph.out_bytes[v], graph.transient_bytes[v])
-        if not inner.recomputed[sub_of[v]]:
-            mem.alloc(("x", v), graph.extra_bytes[v])
-        for r in {graph.root[p] for p in graph.preds[v]}:
-            if r in members:
-                needed[r].discard(v)
-                maybe_free(r)
-        maybe_free(v)
+    def recompute():
+        nonlocal recomputed
+        if recomputed or stop is None:
+            return
+        recomputed = True
+        if parent is not None:
+            parent()
+        k, runs = stop
+        ran = order[:k + 1] if runs else order[:k]
+        for v in ran:
+            mem.alloc(key(v), graph.out_bytes[v], graph.transient_bytes[v])
+            if not inner.recomputed[sub_of[v]]:
+                mem.alloc(("x", v), graph.extra_bytes[v])
+            for r in {graph.root[p] for p in graph.preds[v]}:
+                if r in members:
+                    needed[r].discard(v)
+                    maybe_free(r)
+            maybe_free(v)
+        for v in ran:  # the early stop: consumers after it never run
+            needed[v].clear()
+            maybe_free(v)
+
     for i in reversed(range(len(inner.segments))):
         sub = inner.segments[i]
         if inner.recomputed[i]:
             deeper = inner.inner_of(i) or Schedule((sub,), (False,))
-            _backward_nested(graph, sub, deeper, mem, grads, depth + 1)
+            _backward_nested(graph, sub, deeper, mem, grads, depth + 1, recompute)
             for r in members:
                 if ("segment", i) in holds[r]:
                     holds[r].discard(("segment", i))
                     maybe_free(r)
             continue
         for v in reversed(sub):
+            if _packs(graph, v):
+                recompute()
             _grad_step(graph, v, mem, grads)
             for o in graph.saved[v]:
                 if o in members:
@@ -242,24 +283,15 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
 
 def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -> None:
     seg = schedule.segments[s]
-    nested = schedule.inner_of(s) if schedule.recomputed[s] else None
-    if nested is not None:
+    if schedule.recomputed[s]:
+        nested = schedule.inner_of(s) or Schedule((seg,), (False,))
         _backward_nested(graph, seg, nested, mem, grads, 1)
         _release_segment(graph, s, holds, pending, outputs, mem)
         return
-    kept = _recompute(graph, seg, mem) if schedule.recomputed[s] else set()
-    saved_by = {}
-    for v in seg:
-        for o in graph.saved[v]:
-            saved_by.setdefault(o, set()).add(v)
     for v in reversed(seg):
         _grad_step(graph, v, mem, grads)
         for o in graph.saved[v]:
             holds[o].discard(("node", v))
-            if o in kept:
-                saved_by[o].discard(v)
-                if not saved_by[o]:
-                    mem.free(("r", o))
             if not pending[o] and not holds[o] and o not in outputs:
                 mem.free(("f", o))
     _release_segment(graph, s, holds, pending, outputs, mem)
