@@ -232,7 +232,13 @@ def cpu_table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path) -> bool:
+TRADEOFF_STYLES = (("fxremat", "o-"), ("sequential", "s--"), (compile_budget.FAMILY, "d:"), ("hand", "^"),
+                   ("plain", "*"))
+
+
+def plot(rows, path, styles=TRADEOFF_STYLES) -> bool:
+    """Step time vs measured peak (the papers' Figure 3 style): a line per family in
+    ``styles`` ((family, matplotlib format) pairs), a star for plain."""
     try:
         import matplotlib
 
@@ -241,12 +247,11 @@ def plot(rows, path) -> bool:
     except ImportError:
         print("matplotlib not installed (pip install matplotlib): no plot written")
         return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for family, style in (("fxremat", "o-"), ("sequential", "s--"), (compile_budget.FAMILY, "d:"), ("hand", "^"),
-                          ("plain", "*")):
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for family, style in styles:
         pts = sorted((r["peak"] / MIB, r["ratio"]) for r in rows if r["family"] == family)
         if pts:
-            ax.plot(*zip(*pts), style, label=family, markersize=9 if family == "plain" else 6)
+            ax.plot(*zip(*pts), style, label=family, markersize=10 if family == "plain" else 6)
     ax.set_xlabel("measured peak (MiB)")
     ax.set_ylabel("step time / plain")
     ax.set_title(f"{rows[0]['net']}: memory vs time (CPU, median of interleaved steps)")
