@@ -26,7 +26,7 @@ from .passes.profile import GraphCosts, profile
 from .passes.rewrite import rewrite
 from .passes.trace import trace
 from .plan import Plan, Segment
-from .planner import DEFAULT_EXACT_CAP, Choice, choose
+from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, Choice, choose
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
 from .views import check_plan, graph_key, node_infos, predicted_timeline
 
@@ -34,7 +34,8 @@ __all__ = ["compile", "plan", "RematModule"]
 
 log = logging.getLogger("fxremat")
 
-_OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None}
+_OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None,
+            "rotor_slots": DEFAULT_ROTOR_SLOTS}
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class _Config:
     max_plans: int
     profile_repeats: int
     plan: Plan | None
+    rotor_slots: int
 
 
 def _config(budget, strategy, cost_model, options) -> _Config:
@@ -56,8 +58,10 @@ def _config(budget, strategy, cost_model, options) -> _Config:
     if merged["plan"] is not None and not isinstance(merged["plan"], Plan):
         raise TypeError(f"fxremat.compile: plan= takes a fxremat.Plan (fxremat.load_plan(path)), got "
                         f"{type(merged['plan']).__name__}")
-    if not isinstance(merged["max_plans"], int) or merged["max_plans"] < 1:
-        raise ValueError(f"fxremat.compile: max_plans must be a positive int, got {merged['max_plans']!r}")
+    for name in ("max_plans", "rotor_slots"):
+        value = merged[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fxremat.compile: {name} must be a positive int, got {value!r}")
     return _Config(parse_budget(budget), strategy, cost_model, **merged)
 
 
@@ -121,7 +125,8 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), k
 def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Plan, GraphCosts]:
     costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
     graph = build_graph(gm, costs)
-    choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap)
+    choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
+                    rotor_slots=config.rotor_slots)
     the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
                           key=graph_key(gm, inputs))
     return the_plan, costs
@@ -208,7 +213,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     ``leaf_modules``: classes or qualified names of submodules to keep as single nodes.
     Options: ``exact_cap`` (default 20,000 lower sets with the compiled kernels, 2,000 with the
     pure-Python reference), ``max_plans`` (input signatures cached, default 8),
-    ``profile_repeats`` (default 3), ``plan`` (a :class:`Plan` from :func:`fxremat.load_plan`:
+    ``profile_repeats`` (default 3), ``rotor_slots`` (rotor's memory discretisation, default 500
+    slots up to the no-recomputation peak; more is finer and slower), ``plan`` (a :class:`Plan` from :func:`fxremat.load_plan`:
     used as is, without profiling or solving, after checking it was made for this graph and
     input signature).
     """

@@ -23,12 +23,13 @@ from . import _kernels
 from .solvers import chen, hong, kusumoto, rotor
 from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
 
-__all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP"]
+__all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP", "DEFAULT_ROTOR_SLOTS"]
 
 log = logging.getLogger("fxremat")
 
 STRATEGIES = ("auto", "exact", "approx", "rotor", "chen", "hong", "sequential", "none")
 _KUSUMOTO = ("auto", "exact", "approx")  # strategies that run the Kusumoto DP
+DEFAULT_ROTOR_SLOTS = 500  # Beaumont et al.'s S
 DEFAULT_EXACT_CAP = None  # 20,000 lower sets with the compiled kernels, 2,000 with the reference
 _EXACT_CAP = {"cython": 20_000, "python": 2_000}
 _BISECT_STEPS = 8
@@ -231,7 +232,7 @@ class _Rotor:
     estimate, the schedule of every step is simulated (each distinct one once) and the
     simulator decides."""
 
-    def __init__(self, graph: CostGraph, ordered: CostGraph, slots: int = 500):
+    def __init__(self, graph: CostGraph, ordered: CostGraph, slots: int = DEFAULT_ROTOR_SLOTS):
         start = time.perf_counter()
         self.graph = graph
         self.stages = chain_stages(ordered)
@@ -275,7 +276,7 @@ class _Rotor:
         return best
 
 
-def _sources(graph: CostGraph, strategy: str, exact_cap: int | None):
+def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots: int = DEFAULT_ROTOR_SLOTS):
     """The strategy's candidate sources by name, and the number of lower sets searched."""
     sources, sets, notes = {}, 0, ()
     used = None
@@ -292,7 +293,7 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None):
         sources["approx"] = _Solver(graph, _family(graph, "approx", exact_cap)[0])
     ordered = _ordered_graph(graph) if strategy in ("auto", "rotor", "chen", "hong", "sequential") else graph
     if strategy in ("auto", "rotor"):
-        sources["rotor"] = _Rotor(graph, ordered)
+        sources["rotor"] = _Rotor(graph, ordered, rotor_slots)
     if strategy in ("auto", "chen"):
         sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
     if strategy in ("auto", "hong"):
@@ -312,7 +313,8 @@ def _within(source, target: int, least: _Candidate | None) -> _Candidate | None:
     return _fastest_within(source, target, least) if isinstance(source, _Solver) else source.fastest_within(target)
 
 
-def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP) -> Choice:
+def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
+           rotor_slots: int = DEFAULT_ROTOR_SLOTS) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
@@ -329,11 +331,12 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         if target is not None and target < baseline:
             raise InfeasibleBudgetError(target, baseline)
         return Choice(plain, "none", "time-centric", target or baseline, baseline, baseline, 0, 0.0, 0)
-    sources, sets, notes = _sources(graph, strategy, exact_cap)
+    sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots)
     least = {name: _least(src) for name, src in sources.items()}
     if not any(least.values()):
-        raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has no "
-                         "articulation nodes, so it is not a chain of stages; use strategy='auto' or 'exact'")
+        raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has fewer than two "
+                         "chain stages (no articulation nodes) or, for 'rotor', no schedule fits in rotor_slots="
+                         f"{rotor_slots} slots; use strategy='auto' or 'exact', or raise rotor_slots")
     floor_name = min((n for n in least if least[n]), key=lambda n: (least[n].peak_bytes, least[n].recompute_time))
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731

@@ -181,3 +181,10 @@ def test_rotor_no_slower_than_chain_baselines(net):
             assert ours.recompute_time <= 1.05 * base.recompute_time, (baseline, fraction)
             checked += 1
     assert checked >= 4
+
+
+def test_rotor_slots_option_reaches_the_solver(chain_graph):
+    """One slot cannot hold any stage: rotor finds nothing and says what to do; 500 slots plan."""
+    with pytest.raises(ValueError, match="rotor_slots=1"):
+        choose(chain_graph, parse_budget("min"), strategy="rotor", rotor_slots=1)
+    assert choose(chain_graph, parse_budget("min"), strategy="rotor", rotor_slots=500).strategy == "rotor"

@@ -35,6 +35,8 @@ def test_bad_budgets(budget, exc):
     ({"strategy": "greedy"}, "strategy must be one of"),
     ({"cost_model": "vibes"}, "cost_model must be one of"),
     ({"max_plans": 0}, "max_plans"),
+    ({"rotor_slots": 0}, "rotor_slots must be a positive int, got 0"),
+    ({"rotor_slots": 2.5}, "rotor_slots must be a positive int, got 2.5"),
     ({"bogus_option": 1}, "unknown option"),
 ])
 def test_bad_options(kwargs, match):
