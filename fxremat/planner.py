@@ -239,6 +239,7 @@ class _Rotor:
         self.costs = chain_costs(graph, self.stages)
         self.solver = None
         self.by_ops: dict = {}
+        self.cands: list[_Candidate] | None = None
         if len(self.stages) >= 2:
             c = self.costs
             # Enough for F_all everywhere: every ā, the boundary values, the largest transients.
@@ -256,14 +257,15 @@ class _Rotor:
         return self.by_ops[sol.ops]
 
     def _all(self) -> list[_Candidate]:
-        """The simulated schedule of every slot count from the least feasible one up."""
-        if self.solver is None:
-            return []
-        start = time.perf_counter()
-        first = self.solver.least_slots()
-        cands = [] if first is None else [self._at(m) for m in range(first, self.solver.slots + 1)]
-        self.seconds += time.perf_counter() - start
-        return [c for c in cands if c is not None]
+        """The simulated schedule of every slot count from the least feasible one up (built once:
+        ``least`` and ``fastest_within`` both read it)."""
+        if self.cands is None:
+            start = time.perf_counter()
+            first = None if self.solver is None else self.solver.least_slots()
+            cands = [] if first is None else [self._at(m) for m in range(first, self.solver.slots + 1)]
+            self.cands = [c for c in cands if c is not None]
+            self.seconds += time.perf_counter() - start
+        return self.cands
 
     def least(self) -> _Candidate | None:
         return min(self._all(), key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
