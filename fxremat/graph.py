@@ -41,6 +41,9 @@ class CostGraph:
     ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
     backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
     cross-entropy keeps its log-softmax and allocates its gradient).
+    ``transient_bytes[v]``: what v needs while its forward runs beyond its output (its
+    parameters' gradient for graphs saved earlier); ``bwd_transient_bytes[v]``: what its backward
+    needs beyond the gradients it hands its inputs.
     ``data_succs``: set only on a graph whose ``preds``/``succs`` carry extra precedence edges
     (:func:`fxremat.planner.ordered_preds`): the successors along data edges alone.
     """
@@ -65,10 +68,20 @@ class CostGraph:
     order_chains: tuple[tuple[int, ...], ...] = ()
     grad_alias: tuple[bool, ...] = ()
     data_succs: tuple[tuple[int, ...], ...] = ()
+    bwd_transient_bytes: tuple[int, ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def step_transient(self, v: int) -> int:
+        """The larger of v's forward and backward transients (what the solvers' step terms use)."""
+        return max(self.transient_bytes[v], self.bwd_transient(v))
+
+    def bwd_transient(self, v: int) -> int:
+        """Bytes node v's backward needs beyond its inputs' gradients (``transient_bytes`` for
+        graphs saved before the backward was measured)."""
+        return self.bwd_transient_bytes[v] if self.bwd_transient_bytes else self.transient_bytes[v]
 
     def __post_init__(self):
         for v, ps in enumerate(self.preds):
@@ -116,7 +129,8 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         saved=tuple(saved),
         extra_bytes=tuple(c.extra_bytes for c in node_costs),
         grad_bytes=tuple(c.grad_bytes for c in node_costs),
-        transient_bytes=tuple(max(c.fwd_transient_bytes, c.param_grad_bytes) for c in node_costs),
+        transient_bytes=tuple(c.fwd_transient_bytes for c in node_costs),
+        bwd_transient_bytes=tuple(max(c.bwd_transient_bytes, c.param_grad_bytes) for c in node_costs),
         time_unit=unit,
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,

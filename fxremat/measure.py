@@ -36,6 +36,19 @@ class LiveStorageTracker(TorchDispatchMode):
         if self._alive.pop(key, None) is not None:
             self.live_bytes -= nbytes
 
+    def sizes_of(self, tensors) -> list[int]:
+        """Bytes of each distinct storage among ``tensors`` that was allocated inside the mode
+        and is still alive (views of older storages count 0)."""
+        seen, sizes = set(), []
+        for t in tensors:
+            if t.layout != torch.strided:
+                continue
+            key = t.untyped_storage()._cdata
+            if key in self._alive and key not in seen:
+                seen.add(key)
+                sizes.append(t.untyped_storage().nbytes())
+        return sizes
+
     def track(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage once, until it is freed."""
         if tensor.layout != torch.strided:

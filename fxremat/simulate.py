@@ -163,7 +163,7 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     for p in graph.preds[v]:
         if graph.grad_bytes[p] and v in grads.of:
             grads.give(p, graph.grad_bytes[p], share)
-    mem.note(graph.transient_bytes[v])
+    mem.note(graph.bwd_transient(v))
     grads.drop(v)
     mem.free(("x", v))
 

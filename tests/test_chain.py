@@ -101,24 +101,36 @@ def test_rotor_trains_exactly_within_budget(net, budget):
         opt_a.zero_grad(set_to_none=False), opt_b.zero_grad(set_to_none=False)
     assert_same_state(plain, compiled)
     assert peak_b < peak_a
-    if net == "transformer":
-        return  # its backward transients are not modelled yet: test_transformer_prediction_gap
     assert peak_b <= compiled.plan.budget_bytes * 1.05
     error = abs(compiled.plan.predicted_peak_bytes - peak_b) / peak_b
     assert error <= 0.05, f"predicted {compiled.plan.predicted_peak_bytes} vs measured {peak_b}"
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: the simulator does not model backward transients "
-                   "(LayerNorm, GELU, Linear on 3-d inputs allocate temporaries in their backward); "
-                   "a transformer block's plain peak is under-predicted by about 3 token-sized tensors")
-def test_transformer_prediction_gap():
+@pytest.mark.parametrize("strategy", ["none", "exact", "rotor"])
+def test_transformer_prediction_counts_backward_buffers(strategy):
+    """A Linear on 3-d inputs ends in a view, but its backward allocates its input's gradient
+    (and its weight's before accumulation): the profile must not take it for a view, and the
+    measured backward transients keep the prediction within 5% on a transformer."""
     torch.manual_seed(0)
     model = transformer_stack(depth=2, dim=32, heads=4)
     x = torch.randn(2, 16, 32)
-    compiled = fxremat.compile(model, 1.0, example_inputs=(x,), cost_model="flops")
+    budget = 1.0 if strategy == "none" else "min"
+    compiled = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops", strategy=strategy)
     with_grads(compiled)
     _, peak = fxremat.measure_peak(train_step, compiled, x)
-    assert abs(compiled.plan.predicted_peak_bytes - peak) <= 0.05 * peak
+    assert abs(compiled.plan.predicted_peak_bytes - peak) <= 0.05 * peak, compiled.plan.summary()
+
+
+def test_linear_on_3d_inputs_is_not_a_gradient_view():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(2, 5, 8)
+    gm = trace(model)
+    graph = build_graph(gm, profile(gm, (x,), cost_model="flops"))
+    assert not any(graph.grad_alias)
+    first = graph.names.index("_0")
+    weight_grad = (16 * 8 + 16) * 4
+    assert graph.bwd_transient(first) >= weight_grad  # its parameters' gradients before accumulation
 
 
 def test_min_budget_nests_checkpoints_and_emits_them():

@@ -6,6 +6,10 @@
   by storage: the producers of saved inputs, whether it saves its own output, and
   ``extra_bytes`` of buffers that alias nothing (dropout masks, pooling indices, BN statistics);
 - ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after;
+- ``bwd_transient_bytes``: memory its backward needs beyond the gradients it hands its inputs
+  (temporaries of LayerNorm, GELU, attention; its parameters' gradients before they are
+  accumulated), measured by running the node's forward again on detached inputs and its backward
+  alone under the tracker;
 - ``grad_bytes``: the size of its output's gradient (the tensor's size, views included);
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
   (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
@@ -69,6 +73,7 @@ class NodeCost:
     tensor_output: bool = True
     bwd_cost: float = 0.0
     uses_rng: bool = False
+    bwd_transient_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,10 +172,46 @@ class _ProfilingInterpreter(fx.Interpreter):
         mutated = tuple(sorted(mutated))
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops), mutated_buffers=mutated,
                        uses_rng=uses_rng)
+        if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
+            cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
         if self.cost_model == "measured":
             cost = replace(cost, fwd_cost=self._time_node(n))
         self.costs.append(cost)
         return out
+
+    def _backward_transient(self, n: fx.Node) -> int:
+        """Peak bytes of the node's backward alone beyond the gradients of its inputs: the forward
+        runs again on detached inputs, then ``autograd.grad`` of its outputs (incoming gradients
+        allocated beforehand) with respect to those inputs and its parameters, under the tracker."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves = []
+
+        def detach(t):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                return t
+            leaf = t.detach().requires_grad_()
+            leaves.append(leaf)
+            return leaf
+
+        args, kwargs = tree_map(detach, (args, kwargs))
+        params = [p for p in self._node_params(n, args, kwargs) if p.requires_grad]
+        out = getattr(self, n.op)(n.target, args, kwargs)
+        outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+        wrt = leaves + params
+        if not outs or not wrt:
+            return 0
+        incoming = [torch.ones_like(t) for t in outs]
+        tracker = LiveStorageTracker()
+        with tracker:
+            grads = torch.autograd.grad(outs, wrt, incoming, allow_unused=True)
+        kept = sum(tracker.sizes_of(g for g in grads[:len(leaves)] if g is not None))
+        return max(0, tracker.peak_bytes - kept)
+
+    def _node_params(self, n: fx.Node, args, kwargs) -> list[torch.Tensor]:
+        found = {id(t): t for t in _tensors((args, kwargs)) if _storage_key(t) in self.param_keys}
+        if n.op == "call_module":
+            found.update((id(p), p) for p in self.module.get_submodule(n.target).parameters())
+        return list(found.values())
 
     def _time_node(self, n: fx.Node) -> float:
         """Median wall time of the node's forward in milliseconds (autograd recording on)."""
@@ -248,19 +289,37 @@ def _draws_random(root: torch.nn.Module, n: fx.Node) -> bool:
 _ALIAS_GRAD_FNS = (
     "CatBackward", "StackBackward", "AddBackward0", "ViewBackward", "ReshapeAliasBackward",
     "UnsafeViewBackward", "PermuteBackward", "TransposeBackward", "TBackward", "SqueezeBackward",
-    "UnsqueezeBackward", "AliasBackward",
+    "UnsqueezeBackward", "AliasBackward", "CloneBackward",
 )
 
 
 def _grad_alias(out, args) -> bool:
+    """Whether every autograd node the call created passes views of its incoming gradient on
+    (a module whose last op is a view, such as ``Linear`` on 3-d inputs, does not: its ``addmm``
+    allocates the input's gradient)."""
     outs = _tensors(out)
     if len(outs) != 1 or outs[0].grad_fn is None:
         return False
+    inputs = _tensors(args)
+    stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
+    leaves = {id(t) for t in inputs if t.grad_fn is None}
     name = outs[0].grad_fn.name()
-    if not name.startswith(_ALIAS_GRAD_FNS):
-        return False
     if name.startswith("AddBackward0"):  # broadcasting adds reduce the gradient: a new buffer
-        return all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in _tensors(args))
+        if not all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in inputs):
+            return False
+    return _passes_views(outs[0].grad_fn, stops, leaves, depth=8)
+
+
+def _passes_views(fn, stops, leaves, depth: int) -> bool:
+    if not fn.name().startswith(_ALIAS_GRAD_FNS) or depth == 0:
+        return False
+    for nxt, _ in fn.next_functions:
+        if nxt is None or nxt in stops:
+            continue
+        if nxt.name() == "torch::autograd::AccumulateGrad" and id(nxt.variable) in leaves:
+            continue
+        if not _passes_views(nxt, stops, leaves, depth - 1):
+            return False
     return True
 
 

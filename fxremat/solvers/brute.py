@@ -10,7 +10,7 @@ its set definitions, without its tables or DP code:
 - m: bytes of the distinct storages (``root``) of U_i = ∪_{j ≤ i} ∂(L_j), kept so far;
   K_i = m_i − m_{i−1}, the bytes of V_i's outputs newly kept for later segments;
 - S(V_i): outputs of V_i that some node saves for its backward; E, G: ``extra_bytes``,
-  ``grad_bytes`` summed over V_i; G(∂(L_{i−1})); W(V_i): the largest ``transient_bytes``;
+  ``grad_bytes`` summed over V_i; G(∂(L_{i−1})); W(V_i): the largest ``step_transient``;
 - step i: m_{i−1} + K_i + S(V_i) + E(V_i) + G(V_i) + G(∂(L_{i−1})) + W(V_i), plus
   ``loss_bytes`` for the last step; the peak is the largest step; the overhead Σ_{i<k} T(V_i).
 """
@@ -94,7 +94,7 @@ def chain_cost(graph: CostGraph, chain) -> ChainCost:
                 + sum(graph.extra_bytes[v] for v in seg)
                 + sum(graph.grad_bytes[v] for v in seg)
                 + sum(graph.grad_bytes[v] for v in _boundary(graph, previous))
-                + max(graph.transient_bytes[v] for v in seg))
+                + max(graph.step_transient(v) for v in seg))
         if i == len(chain) - 1:
             step += graph.loss_bytes
         else:

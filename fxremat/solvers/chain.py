@@ -80,7 +80,7 @@ def _backward_transient(graph: CostGraph, stage: tuple[int, ...], grad_in: int, 
     work = 0
     for v in stage:
         ins = {graph.root[p] for p in graph.preds[v]}
-        work = max(work, graph.grad_bytes[v] + sum(graph.grad_bytes[r] for r in ins) + graph.transient_bytes[v])
+        work = max(work, graph.grad_bytes[v] + sum(graph.grad_bytes[r] for r in ins) + graph.bwd_transient(v))
     return max(0, work - grad_in - grad_out)
 
 

@@ -192,7 +192,7 @@ def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit):
     return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"),
                   _view(tables.top_words, "Q"), _view(tables.grad_boundary, "q"),
                   _view(tables.prefix_time, "q"), _view(tables.prefix_saved, "q"),
-                  array("q", graph.out_bytes), array("q", graph.transient_bytes), graph.loss_bytes,
+                  array("q", graph.out_bytes), array("q", [graph.step_transient(v) for v in range(graph.n)]), graph.loss_bytes,
                   budget, objective, time_limit)
 
 
