@@ -28,6 +28,7 @@ from .passes.trace import trace
 from .plan import Plan, Segment
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, Choice, choose
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
+from .simulate import rerun_time
 from .views import check_plan, graph_key, node_infos, predicted_timeline
 
 __all__ = ["compile", "plan", "RematModule"]
@@ -85,13 +86,12 @@ def _segments_of(graph: CostGraph, schedule) -> tuple[Segment, ...]:
         kept_roots = {graph.root[v] for v in kept}
         nested = schedule.inner_of(i) if rec else None
         inner = _segments_of(graph, nested) if nested is not None else ()
-        again = sum(s.recompute_cost for s in inner) if inner else 0.0
         segments.append(Segment(
             nodes=tuple(graph.names[v] for v in seg),
             recomputed=rec,
             kept=tuple(graph.names[v] for v in kept),
             kept_bytes=sum(graph.out_bytes[r] for r in kept_roots),
-            recompute_cost=(sum(graph.time[v] for v in seg) * graph.time_unit + again) if rec else 0.0,
+            recompute_cost=rerun_time(graph, seg, nested) * graph.time_unit if rec else 0.0,
             inner=inner,
         ))
     return tuple(segments)

@@ -22,7 +22,8 @@ class Segment:
 
     ``inner``: for a recomputed segment with nested checkpoints (the rotor strategy), the
     segments its recomputation runs, in the same form; empty when it is recomputed plainly.
-    ``recompute_cost`` counts every forward run again, nested recomputations included.
+    ``recompute_cost`` counts every forward run again, up to torch's early stop (nodes after the
+    last one that saves something are not rerun), nested recomputations included.
     """
 
     nodes: tuple[str, ...]

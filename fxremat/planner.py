@@ -18,7 +18,7 @@ from .budget import Budget
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .lowersets import all_lower_sets, bits, pruned_family
-from .simulate import Schedule, simulate
+from .simulate import Schedule, rerun_time, simulate
 from . import _kernels
 from .solvers import chen, hong, kusumoto, rotor
 from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
@@ -137,14 +137,10 @@ def _schedule(lower_sets) -> Schedule:
 
 
 def recompute_time(graph: CostGraph, sched: Schedule) -> int:
-    """Forward cost run again in the backward: every recomputed segment once, plus what its
-    nested checkpoints run again inside its recomputation."""
-    total = 0
-    for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)):
-        if rec:
-            nested = sched.inner_of(i)
-            total += sum(graph.time[v] for v in seg) + (recompute_time(graph, nested) if nested else 0)
-    return total
+    """Forward cost run again in the backward: every recomputed segment up to torch's early
+    stop, plus what its nested checkpoints run again (:func:`~fxremat.simulate.rerun_time`)."""
+    return sum(rerun_time(graph, seg, sched.inner_of(i))
+               for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)) if rec)
 
 
 def _candidate(graph: CostGraph, solution) -> _Candidate | None:

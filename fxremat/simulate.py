@@ -197,6 +197,23 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
     return found
 
 
+def rerun_time(graph: CostGraph, seg, inner: Schedule | None = None) -> int:
+    """Forward cost that the backward of a checkpoint over ``seg`` runs again: its nodes up to
+    the early stop (:func:`_stop`), plus what the checkpoints nested in it (``inner``) run again
+    in their own backwards."""
+    inner = inner or Schedule((tuple(seg),), (False,))
+    stop = _stop(graph, inner)
+    if stop is None:
+        return 0
+    k, runs = stop
+    order = [v for sub in inner.segments for v in sub]
+    total = sum(graph.time[v] for v in order[:k + 1 if runs else k])
+    for i, (sub, rec) in enumerate(zip(inner.segments, inner.recomputed)):
+        if rec:
+            total += rerun_time(graph, sub, inner.inner_of(i))
+    return total
+
+
 def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int,
                      parent=None) -> None:
     """Run the backward of the checkpointed segment ``seg``, recomputed following ``inner``.

@@ -6,6 +6,7 @@ segment's outputs live until the recomputation ends. Each schedule is emitted wi
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxremat
 from _models import train_step, with_grads
@@ -13,7 +14,8 @@ from fxremat.graph import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.rewrite import rewrite
 from fxremat.passes.trace import trace
-from fxremat.simulate import Schedule, simulate
+from fxremat.planner import recompute_time
+from fxremat.simulate import Schedule, rerun_time, simulate
 
 
 class WideTail(nn.Module):
@@ -94,3 +96,37 @@ def test_nested_recomputation_stops_at_the_inner_checkpoint():
     measured = _measured(emitted, model, x)
     predicted = simulate(graph, sched)
     assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
+
+
+class _ForwardOpCounter(TorchDispatchMode):
+    """Counts the forward ops of WideTail (addmm, tanh, add) run while it is active."""
+
+    OPS = {torch.ops.aten.addmm.default, torch.ops.aten.tanh.default, torch.ops.aten.add.Tensor}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.OPS
+        return func(*args, **(kwargs or {}))
+
+
+def test_predicted_recomputation_stops_where_torch_stops():
+    """The predicted rerun cost counts the nodes up to the early stop, and no more: WideTail's
+    recomputation runs inp, tanh, up and tanh again, not proj and the add after it."""
+    torch.manual_seed(0)
+    model, x = WideTail(), torch.randn(8, 32)
+    gm = trace(model)
+    graph = build_graph(gm, profile(gm, (x,), cost_model="uniform"))  # every node costs one unit
+    head, rest = _split(graph, "getattr_1")
+    emitted = rewrite(gm, [_names(graph, head), _names(graph, rest)], [True, False], {})
+    loss = emitted(x).sum()
+    counter = _ForwardOpCounter()
+    with counter:
+        loss.backward()
+    per_node = graph.time[0]
+    assert all(t == per_node for t in graph.time)
+    assert counter.count == 4
+    assert rerun_time(graph, head) == counter.count * per_node
+    assert recompute_time(graph, Schedule((head, rest), (True, False))) == counter.count * per_node
