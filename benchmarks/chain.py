@@ -5,8 +5,10 @@ with the same training step and interleaved timing repeats:
 
 - ``plain`` PyTorch;
 - ``checkpoint_sequential`` with every segment count from 2 to 2√L (torch's own function);
-- fxremat ``rotor``, ``exact`` (Kusumoto), ``chen`` and ``hong`` at the measured peak of every
-  ``checkpoint_sequential`` row (equal memory) and at ``budget="min"``.
+- fxremat ``auto`` (what ``fxremat.compile`` does by default), ``rotor``, ``exact`` (Kusumoto),
+  ``chen`` and ``hong`` at the measured peak of every ``checkpoint_sequential`` row (equal
+  memory) and at ``budget="min"``, planned with ``--cost-model`` (default ``measured``, the
+  default of ``fxremat.compile``: every compile times the nodes again).
 
 Writes ``chain.md`` (table, and per sequential row the speed-up of the best fxremat plan that
 peaks no higher) and ``chain_<net>.png`` (step time vs measured peak, a line per strategy, a
@@ -30,17 +32,19 @@ import fxremat
 from fxremat.solvers.rotor import ChainCosts, solve_rotor
 
 from .baselines import SequentialCheckpoint
-from .nets import resnet_chain, transformer_stack
-from .run import MIB, _environment, _load, _time, loss_of, plot, with_grads
+from .nets import resnet_chain, resnet_stages, transformer_stack
+from .run import MIB, _environment, _load, caching_heap, loss_of, plot, timed_step, with_grads
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-STRATEGIES = ("rotor", "exact", "chen", "hong")
+STRATEGIES = ("auto", "rotor", "exact", "chen", "hong")
+SUMMARY_FAMILIES = ("auto", "rotor", "exact")
 
 
 def nets(quick: bool):
     depth = 12 if quick else 24
     return [
         ("resnet_chain", lambda: resnet_chain(depth=depth, channels=32), (8, 3, 48, 48)),
+        ("resnet50_stages", lambda: resnet_stages(width=16 if quick else 32), (8, 3, 128, 128)),
         ("transformer", lambda: transformer_stack(depth=depth, dim=64, heads=4), (8, 128, 64)),
     ]
 
@@ -51,11 +55,10 @@ def step(model, x):
     return out
 
 
-def _compile(base, budget, strategy, x):
+def _compile(base, budget, strategy, x, cost_model):
     try:
-        # flop costs: every row is planned from the same costs, not from a noisy timing each
         return fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,), strategy=strategy,
-                               cost_model="flops")
+                               cost_model=cost_model)
     except fxremat.InfeasibleBudgetError:
         return None
 
@@ -76,11 +79,11 @@ def measure(models, x, repeats):
         peaks[label] = fxremat.measure_peak(step, model, x)[1]
     for _ in range(repeats):
         for label, _, model in models:
-            times[label].append(_time(step, model, x))
+            times[label].append(timed_step(model, x, step))
     return peaks, {k: statistics.median(v) for k, v in times.items() if v}
 
 
-def run_net(name, build, shape, repeats):
+def run_net(name, build, shape, repeats, cost_model="measured"):
     torch.manual_seed(0)
     base, x = build(), torch.randn(*shape)
     models = variants(base, x)
@@ -89,7 +92,7 @@ def run_net(name, build, shape, repeats):
     budgets = sorted(set(seq_peaks.values())) + ["min"]
     for strategy in STRATEGIES:
         for budget in budgets:
-            compiled = _compile(base, budget, strategy, x)
+            compiled = _compile(base, budget, strategy, x, cost_model)
             if compiled is not None:
                 label = f"{strategy} {budget if budget == 'min' else f'{budget / MIB:.2f}MiB'}"
                 models.append((label, strategy, compiled))
@@ -133,22 +136,26 @@ def table(rows) -> str:
 
 
 def summary(rows) -> str:
+    """Per family, the equal-memory speed-ups, and the ceiling: what a plan that recomputes
+    nothing at that peak would gain (the sequential row's own overhead)."""
     lines = ["| net | sequential row (peak MiB, time/plain) | fastest fxremat row within its peak | "
-             "throughput gain |", "|---|---|---|---|"]
-    gains = []
-    for family in ("rotor", "exact"):
+             "throughput gain | ceiling |", "|---|---|---|---|---|"]
+    gains = {family: [] for family in SUMMARY_FAMILIES}
+    for family in SUMMARY_FAMILIES:
         for s, best, gain in equal_memory(rows, family):
-            if family == "rotor":
-                gains.append(gain)
+            gains[family].append(gain)
             lines.append(f"| {s['net']} | {s['variant']} ({s['peak'] / MIB:.2f}, {s['ratio']:.3f}) | {best['variant']} "
-                         f"({best['peak'] / MIB:.2f}, {best['ratio']:.3f}) | {100 * gain:+.1f}% |")
-    head = (f"Median rotor throughput gain over checkpoint_sequential at equal memory, all sequential "
-            f"rows of both nets: {100 * statistics.median(gains):+.1f}%" if gains
-            else "No rotor row fits a sequential row's peak.")
-    return head + "\n\n" + "\n".join(lines)
+                         f"({best['peak'] / MIB:.2f}, {best['ratio']:.3f}) | {100 * gain:+.1f}% | "
+                         f"{100 * (s['ratio'] - 1):+.1f}% |")
+    head = ["Median throughput gain over checkpoint_sequential at equal memory, over the sequential rows of "
+            "both nets that the family fits under:"]
+    for family, found in gains.items():
+        head.append(f"- {family}: {100 * statistics.median(found):+.1f}% ({len(found)} rows)" if found
+                    else f"- {family}: no row fits a sequential row's peak")
+    return "\n".join(head) + "\n\n" + "\n".join(lines)
 
 
-STYLES = (("rotor", "o-"), ("exact", "D-"), ("chen", "v:"), ("hong", "P"), ("sequential", "s--"), ("plain", "*"))
+STYLES = (("auto", "x-"), ("rotor", "o-"), ("exact", "D-"), ("chen", "v:"), ("hong", "P"), ("sequential", "s--"), ("plain", "*"))
 
 
 def rotor_dp_seconds(stages=339, slots=500, repeats=3) -> float:
@@ -170,22 +177,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="12-deep nets, fewer repeats")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--cost-model", default="measured", choices=("measured", "flops"),
+                        help="how fxremat costs the nodes (measured: timed on this machine, per compile)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
+                             "another process stalls every parallel op)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (see benchmarks.run.caching_heap)")
     args = parser.parse_args(argv)
+    if not args.system_malloc:
+        caching_heap()
+    torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repeats = 5 if args.quick else 11
     all_rows = []
     for name, build, shape in nets(args.quick):
-        rows = run_net(name, build, shape, repeats)
+        rows = run_net(name, build, shape, repeats, args.cost_model)
         plot(rows, out / f"chain_{name}.png", STYLES)
         all_rows += rows
         print(table(rows))
     dp = rotor_dp_seconds()
     text = (f"# Chains: rotor vs checkpoint_sequential, Kusumoto, Chen, Hong (CPU)\n\n"
             f"{_environment(args).replace('benchmarks.run', 'benchmarks.chain')}\n\n"
-            f"Step times are medians of {repeats} interleaved repeats, as ratios to plain in the same "
+            f"Step times are medians of {repeats} interleaved repeats, each right after an untimed step of the "
+            f"same variant (`benchmarks.run.timed_step`), as ratios to plain in the same "
             f"loop; peaks are measured (`fxremat.measure_peak`, gradients pre-allocated). fxremat rows "
-            f"are planned (flop costs) at each checkpoint_sequential row's measured peak and at `min`. "
+            f"are planned ({args.cost_model} costs) at each checkpoint_sequential row's measured peak and at `min`. "
+            f"The ceiling column is the gain of a plan as fast as plain within that peak: fxremat cannot beat "
+            f"a sequential row by more. "
             f"Load average at the end: {_load()} on {os.cpu_count()} cores (a shared machine: times are noisy).\n\n"
             f"## Equal memory\n\n{summary(all_rows)}\n\n## All rows\n\n{table(all_rows)}\n\n"
             f"## Rotor DP time\n\n339 stages, 500 slots: {dp:.2f} s (median of 3; target ≤ 2 s).\n")

@@ -1,6 +1,7 @@
-"""Benchmark nets beyond the examples, both ``nn.Sequential`` chains so that
-``checkpoint_sequential`` applies to them: a ResNet-style chain of residual blocks and a
-transformer stack."""
+"""Benchmark nets beyond the examples, all ``nn.Sequential`` chains so that
+``checkpoint_sequential`` applies to them: a ResNet-style chain of identical residual blocks, a
+ResNet-50-style chain of bottleneck stages whose activations shrink stage by stage (a
+heterogeneous chain, as real ResNets are), and a transformer stack."""
 
 from __future__ import annotations
 
@@ -27,6 +28,43 @@ def resnet_chain(depth: int = 12, channels: int = 32, num_classes: int = 10) -> 
         nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()),
         *[Block(channels) for _ in range(depth)],
         nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(), nn.Conv2d(channels, num_classes, 1)),
+    )
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50's bottleneck block (1x1, 3x3, 1x1 convolutions), with a projection shortcut when
+    it changes the stride or the width."""
+
+    def __init__(self, inp: int, width: int, stride: int = 1):
+        super().__init__()
+        out = 4 * width
+        self.body = nn.Sequential(
+            nn.Conv2d(inp, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True), nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out),
+        )
+        self.shortcut = (nn.Sequential(nn.Conv2d(inp, out, 1, stride=stride, bias=False), nn.BatchNorm2d(out))
+                         if stride != 1 or inp != out else nn.Identity())
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        return self.relu(self.body(x) + self.shortcut(x))
+
+
+def resnet_stages(layers=(3, 4, 6, 3), width: int = 16, num_classes: int = 10) -> nn.Sequential:
+    """ResNet-50's layout (``layers`` bottlenecks per stage, stride 2 and twice the width at each
+    new stage) as a flat chain: stem, one entry per bottleneck, head."""
+    blocks, inp = [], width
+    for stage, count in enumerate(layers):
+        w = width * 2**stage
+        for i in range(count):
+            blocks.append(Bottleneck(inp, w, stride=2 if i == 0 and stage > 0 else 1))
+            inp = 4 * w
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+                      nn.ReLU(inplace=True), nn.MaxPool2d(3, stride=2, padding=1)),
+        *blocks,
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inp, num_classes)),
     )
 
 

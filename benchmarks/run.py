@@ -10,18 +10,22 @@ Two scales, every row measured the same way in the same run:
    per-block checkpoints, ``checkpoint_sequential`` (chain nets, every segment count from 2 to
    2√L), fxremat at several budgets and torch.compile's ``activation_memory_budget`` swept over
    fractions (its partitioned graphs replayed under the same tracker: ``compile_budget.py``).
-   Step times are medians of interleaved repeats, reported as ratios to plain measured in the
-   same loop. Rockmate, when ``--rockmate-python`` names an interpreter where it is installed,
-   is tried on the U-Net at half the plain peak in a child process with a time limit.
+   Step times are medians of interleaved repeats, each timed after an untimed step of the same
+   variant, on one torch thread with glibc keeping freed memory (:func:`caching_heap`), reported
+   as ratios to plain measured in the same loop. Rockmate, when ``--rockmate-python`` names an
+   interpreter where it is installed, is tried on the U-Net at half the plain peak in a child
+   process with a time limit.
 
-Writes ``paper_scale.md``, ``cpu_tradeoff.md`` and ``cpu_tradeoff_<net>.png`` (with matplotlib)
-into ``--out`` (default ``benchmarks/results``).
+Writes ``paper_scale.md`` (``paper_scale_quick.md`` with ``--quick``: U-Net and PSPNet only, so a
+quick run leaves the full table alone), ``cpu_tradeoff.md`` and ``cpu_tradeoff_<net>.png`` (with
+matplotlib) into ``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
 import pathlib
 import platform
@@ -45,6 +49,7 @@ import pspnet  # noqa: E402
 import unet  # noqa: E402
 
 GIB, MIB = 2**30, 2**20
+QUICK_FRACTIONS = (1.0, 0.5, 0.3, 0.1, 0.0)
 # Kusumoto et al. Table 1 (GB, parameters included): vanilla, best of their DP columns, Chen's.
 PAPER = {
     "pspnet": (9.4, 2.7, 4.0), "pspnet101": (9.4, 2.7, 4.0), "unet": (9.1, 4.7, 7.4), "resnet50": (8.9, 3.4, 3.7),
@@ -81,11 +86,11 @@ def _torchvision(name, **kwargs):
 
 def paper_nets(include_zoo: bool):
     nets = [("unet", lambda: unet.build_model("paper"), unet.PAPER_INPUT),
-            ("pspnet", lambda: pspnet.build_model("paper"), pspnet.PAPER_INPUT),
-            # Zhao et al.'s ResNet-101 backbone: 373 nodes, the paper's PSPNet has 385
-            ("pspnet101", lambda: pspnet.PSPNet(layers=(3, 4, 23, 3)), pspnet.PAPER_INPUT)]
+            ("pspnet", lambda: pspnet.build_model("paper"), pspnet.PAPER_INPUT)]
     if not include_zoo:
         return nets
+    # Zhao et al.'s ResNet-101 backbone: 373 nodes, the paper's PSPNet has 385
+    nets.append(("pspnet101", lambda: pspnet.PSPNet(layers=(3, 4, 23, 3)), pspnet.PAPER_INPUT))
     try:
         import torchvision  # noqa: F401
     except ImportError:
@@ -171,7 +176,7 @@ def cpu_nets(full: bool):
     ]
 
 
-def _variants(name, build, x, chain: bool, budgets):
+def _variants(name, build, x, chain: bool, budgets, fractions):
     torch.manual_seed(0)
     base = build("small")
     variants = [("plain", "plain", copy.deepcopy(base))]
@@ -188,7 +193,7 @@ def _variants(name, build, x, chain: bool, budgets):
             print(f"{name}: budget {budget} infeasible (min {err.min_feasible_bytes / MIB:.1f} MiB), row skipped")
             continue
         variants.append((f"fxremat {budget}", "fxremat", compiled))
-    variants += compile_budget.variants(base, x, step, loss_of)  # its budget sweep, one row per partition
+    variants += compile_budget.variants(base, x, step, loss_of, fractions)  # its sweep, one row per partition
     return variants
 
 
@@ -198,9 +203,17 @@ def _time(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def cpu_rows(name, build, shape, chain, budgets, repeats):
+def timed_step(model, x, step_fn=step) -> float:
+    """Seconds of one training step taken right after an untimed one. Variants are interleaved,
+    and on CPU a step timed right after another variant's runs on the heap that variant left
+    (freed or kept pages): measured here, that biased ratios by up to ±10% either way."""
+    step_fn(model, x)
+    return _time(step_fn, model, x)
+
+
+def cpu_rows(name, build, shape, chain, budgets, repeats, fractions=compile_budget.FRACTIONS):
     x = torch.randn(*shape)
-    variants = _variants(name, build, x, chain, budgets)
+    variants = _variants(name, build, x, chain, budgets, fractions)
     peaks, times = {}, {label: [] for label, _, _ in variants}
     for label, _, model in variants:
         with_grads(model)
@@ -208,7 +221,7 @@ def cpu_rows(name, build, shape, chain, budgets, repeats):
         peaks[label] = fxremat.measure_peak(step, model, x)[1]
     for _ in range(repeats):  # interleaved, so machine noise hits every variant alike
         for label, _, model in variants:
-            times[label].append(_time(step, model, x))
+            times[label].append(timed_step(model, x))
     plain_t = statistics.median(times["plain"])
     rows = []
     for label, family, model in variants:
@@ -267,10 +280,37 @@ def _load() -> str:
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
+ALLOCATOR = "system malloc"
+
+
+def caching_heap() -> str:
+    """Make glibc keep freed memory in its heap, as a GPU caching allocator does.
+
+    By default glibc hands blocks above a dynamic threshold (128 KiB at start) back to the OS when
+    they are freed, so every step page-faults its activations in again: step time then grows with
+    the bytes a step allocates, which favours whatever keeps less memory (checkpointed variants
+    measured up to 20% faster than plain here) and swings with the variant timed before.
+    ``mallopt`` raises the mmap threshold to its 32 MiB maximum and stops heap trimming; peaks are
+    unaffected (they are counted by the tracker). Returns a line for the results' header."""
+    global ALLOCATOR
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        ALLOCATOR = "system malloc (not glibc: freed memory may go back to the OS)"
+        return ALLOCATOR
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if libc.mallopt(m_mmap_threshold, 32 * MIB) and libc.mallopt(m_trim_threshold, 2**31 - 1):
+        ALLOCATOR = "glibc heap kept (mallopt: mmap threshold 32 MiB, no trimming), like a caching allocator"
+    else:
+        ALLOCATOR = "system malloc (mallopt refused)"
+    return ALLOCATOR
+
+
 def _environment(args) -> str:
     return (f"Command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
-            f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+            f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
+            f"CPU allocator: {ALLOCATOR}")
 
 
 def main(argv=None) -> int:
@@ -283,22 +323,32 @@ def main(argv=None) -> int:
     parser.add_argument("--rockmate-python", default=sys.executable,
                         help="interpreter with rockmate and rkgb installed (a venv of its own)")
     parser.add_argument("--rockmate-timeout", type=float, default=None, help="seconds per Rockmate solve")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
+                             "another process stalls every parallel op)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (see caching_heap: step times then follow page faults)")
     args = parser.parse_args(argv)
+    if not args.system_malloc:
+        caching_heap()
+    torch.set_num_threads(args.threads)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = _environment(args)
     if args.only in (None, "paper"):
         rows = [paper_row(*net) for net in paper_nets(include_zoo=args.full)]
         text = f"# Paper scale (fake tensors)\n\n{env}\n\n{paper_table(rows)}\n"
-        (out / "paper_scale.md").write_text(text)
+        (out / ("paper_scale.md" if args.full else "paper_scale_quick.md")).write_text(text)
         print(text)
     if args.only in (None, "cpu"):
         budgets = ["min", 0.3, 0.5, 0.7] if not args.full else ["min", 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.85]
-        repeats = 7 if not args.full else 15
+        repeats = 5 if not args.full else 15
+        # --quick sweeps torch.compile's budget over fewer fractions: each one compiles again
+        fractions = compile_budget.FRACTIONS if args.full else QUICK_FRACTIONS
         load_before = _load()
         all_rows = []
         for name, build, shape, chain in cpu_nets(args.full):
-            rows = cpu_rows(name, build, shape, chain, budgets, repeats)
+            rows = cpu_rows(name, build, shape, chain, budgets, repeats, fractions)
             plot(rows, out / f"cpu_tradeoff_{name}.png")
             all_rows += rows
         noise = (f"Memory columns are exact (live-storage tracker). Step times are medians of {repeats} interleaved "

@@ -40,7 +40,8 @@ def parse_args(description, argv=None):
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--budget", type=parse_budget, default="0.5",
                         help="fraction of the baseline peak, bytes, a size such as '800MiB', or 'min'")
-    parser.add_argument("--steps", type=int, default=3, help="measured training steps")
+    parser.add_argument("--steps", type=int, default=3, help="timed training steps (after a warm-up step; "
+                        "one more step measures the peak)")
     parser.add_argument("--size", choices=("small", "paper"), default="small", help="model and input size")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -80,11 +81,9 @@ def train_step(model, optimizer, x, target, seed):
     return loss.item()
 
 
-def measured_step(model, optimizer, batch, seed):
-    """Run :func:`train_step` under ``fxremat.measure_peak``; return (peak bytes, seconds)."""
-    start = time.perf_counter()
-    _, peak = fxremat.measure_peak(train_step, model, optimizer, *batch, seed)
-    return peak, time.perf_counter() - start
+def measured_peak(model, optimizer, batch, seed):
+    """Run :func:`train_step` under ``fxremat.measure_peak``; return its peak bytes."""
+    return fxremat.measure_peak(train_step, model, optimizer, *batch, seed)[1]
 
 
 def max_param_diff(reference, other):
@@ -105,15 +104,22 @@ def max_param_diff(reference, other):
 
 
 def train_both(models, batches, seed):
-    """Warm up on ``batches[0]``, then measure a step per remaining batch, interleaved."""
+    """Warm up on ``batches[0]``; time a step per batch up to the last, interleaved (which model
+    goes first alternates, so neither always runs on the heap the other left); measure the peak
+    on the last batch. Timing runs without the memory tracker, whose per-op bookkeeping would
+    inflate both times. Both models take the same steps, so their parameters stay comparable."""
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.01) for name, m in models.items()}
     stats = {name: {"peak": [], "time": []} for name in models}
-    for step, batch in enumerate(batches):
-        for name, model in models.items():
-            peak, seconds = measured_step(model, optimizers[name], batch, seed + step)
+    names = list(models)
+    for step, batch in enumerate(batches[:-1]):
+        for name in names if step % 2 == 0 else reversed(names):
+            start = time.perf_counter()
+            train_step(models[name], optimizers[name], *batch, seed + step)
             if step > 0:
-                stats[name]["peak"].append(peak)
-                stats[name]["time"].append(seconds)
+                stats[name]["time"].append(time.perf_counter() - start)
+    last = len(batches) - 1
+    for name in names:
+        stats[name]["peak"].append(measured_peak(models[name], optimizers[name], batches[last], seed + last))
     return stats
 
 
@@ -150,6 +156,6 @@ def run(build_model, input_shapes, args):
     models = {"plain": plain, "compiled": compiled}
     for m in models.values():
         preallocate_grads(m)
-    batches = [random_batch(input_shape, out_shape, args.seed + i) for i in range(args.steps + 1)]
+    batches = [random_batch(input_shape, out_shape, args.seed + i) for i in range(args.steps + 2)]
     stats = train_both(models, batches, args.seed)
     report(compiled, stats, args.budget, max_param_diff(plain, compiled))
