@@ -352,8 +352,10 @@ def main(argv=None) -> int:
             plot(rows, out / f"cpu_tradeoff_{name}.png")
             all_rows += rows
         noise = (f"Memory columns are exact (live-storage tracker). Step times are medians of {repeats} interleaved "
-                 f"repeats on a shared machine, load average {load_before} before and {_load()} after this section "
-                 f"on {os.cpu_count()} cores: noisy, compare ratios within one net only.")
+                 f"repeats, each right after an untimed step of the same variant (`timed_step`), on a shared "
+                 f"machine, load average {load_before} before and {_load()} after this section on {os.cpu_count()} "
+                 f"cores: noisy (two runs of one comparison differed by up to 15% here), compare ratios within one "
+                 f"net only.")
         rockmate = rockmate_rows(args.rockmate_python, timeout_s=args.rockmate_timeout or (1800 if args.full else 120))
         text = (f"# Real steps on CPU\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
                 f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
