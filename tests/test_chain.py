@@ -167,8 +167,9 @@ def test_rotor_no_slower_than_chain_baselines(net):
     """chen's and sequential's segmentations are rotor schedules: in rotor's chain model, the
     DP is at least as fast as each of them within the memory each needs. On the graph (the
     simulator decides), rotor reaches a lower least peak than both, and at each baseline's
-    simulated peak it fits with a recomputation close to the baseline's (the chain model is
-    an estimate of the simulator, so not always below it)."""
+    simulated peak it fits with a recomputation close to the baseline's, counted as rotor's
+    model counts it (whole segments: the chain model is an estimate of the simulator, so not
+    always below it); ``auto`` never recomputes more than either."""
     build, shape = NETS[net]
     torch.manual_seed(0)
     graph = _graph(build(), torch.randn(*shape))
@@ -190,9 +191,26 @@ def test_rotor_no_slower_than_chain_baselines(net):
             assert best is not None and best.predicted_time <= base_time
             ours = choose(graph, parse_budget(base.peak_bytes), strategy="rotor")
             assert ours.peak_bytes <= base.peak_bytes
-            assert ours.recompute_time <= 1.05 * base.recompute_time, (baseline, fraction)
+            whole = _whole_segments_time(graph, ours.schedule), _whole_segments_time(graph, base.schedule)
+            assert whole[0] <= 1.05 * whole[1], (baseline, fraction)
+            # torch's early stop, which rotor's chain model does not see, can favour the baseline;
+            # auto plans with it and takes whichever recomputes less
+            auto = choose(graph, parse_budget(base.peak_bytes), strategy="auto")
+            assert auto.peak_bytes <= base.peak_bytes
+            assert auto.recompute_time <= min(ours.recompute_time, base.recompute_time)
             checked += 1
     assert checked >= 4
+
+
+def _whole_segments_time(graph, sched) -> int:
+    """Recomputation counted as rotor's model counts it: every recomputed segment whole, plus
+    what its nested checkpoints run again."""
+    total = 0
+    for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)):
+        if rec:
+            nested = sched.inner_of(i)
+            total += sum(graph.time[v] for v in seg) + (_whole_segments_time(graph, nested) if nested else 0)
+    return total
 
 
 def test_rotor_slots_option_reaches_the_solver(chain_graph):
