@@ -33,7 +33,8 @@ from fxremat.solvers.rotor import ChainCosts, solve_rotor
 
 from .baselines import SequentialCheckpoint
 from .nets import resnet_chain, resnet_stages, transformer_stack
-from .run import MIB, _environment, _load, caching_heap, loss_of, plot, timed_step, with_grads
+from . import run as harness
+from .run import MIB, _environment, _load, caching_heap, loss_of, plot, select_device, timed_step, with_grads
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STRATEGIES = ("auto", "rotor", "exact", "chen", "hong")
@@ -85,7 +86,7 @@ def measure(models, x, repeats):
 
 def run_net(name, build, shape, repeats, cost_model="measured"):
     torch.manual_seed(0)
-    base, x = build(), torch.randn(*shape)
+    base, x = build().to(harness.DEVICE), torch.randn(*shape, device=harness.DEVICE)
     models = variants(base, x)
     # fxremat at the peak of each checkpoint_sequential row (measured first, alone) and at min
     seq_peaks, _ = measure([m for m in models if m[1] == "sequential"], x, 0)
@@ -176,7 +177,8 @@ def rotor_dp_seconds(stages=339, slots=500, repeats=3) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="12-deep nets, fewer repeats")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run")
     parser.add_argument("--cost-model", default="measured", choices=("measured", "flops"),
                         help="how fxremat costs the nodes (measured: timed on this machine, per compile)")
     parser.add_argument("--threads", type=int, default=1,
@@ -185,10 +187,10 @@ def main(argv=None) -> int:
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc as it is (see benchmarks.run.caching_heap)")
     args = parser.parse_args(argv)
+    out = select_device(parser, args)
     if not args.system_malloc:
         caching_heap()
     torch.set_num_threads(args.threads)
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     repeats = 5 if args.quick else 11
     all_rows = []
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
         all_rows += rows
         print(table(rows))
     dp = rotor_dp_seconds()
-    text = (f"# Chains: rotor vs checkpoint_sequential, Kusumoto, Chen, Hong (CPU)\n\n"
+    text = (f"# Chains: rotor vs checkpoint_sequential, Kusumoto, Chen, Hong ({harness.DEVICE.upper()})\n\n"
             f"{_environment(args).replace('benchmarks.run', 'benchmarks.chain')}\n\n"
             f"Step times are medians of {repeats} interleaved repeats, each right after an untimed step of the "
             f"same variant (`benchmarks.run.timed_step`), as ratios to plain in the same "

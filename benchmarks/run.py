@@ -178,7 +178,7 @@ def cpu_nets(full: bool):
 
 def _variants(name, build, x, chain: bool, budgets, fractions):
     torch.manual_seed(0)
-    base = build("small")
+    base = build("small").to(DEVICE)
     variants = [("plain", "plain", copy.deepcopy(base))]
     hand = copy.deepcopy(base)
     checkpoint_blocks(hand)
@@ -198,9 +198,16 @@ def _variants(name, build, x, chain: bool, budgets, fractions):
 
 
 def _time(fn, *args) -> float:
+    _synchronize()
     start = time.perf_counter()
     fn(*args)
+    _synchronize()
     return time.perf_counter() - start
+
+
+def _synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed_step(model, x, step_fn=step) -> float:
@@ -212,7 +219,7 @@ def timed_step(model, x, step_fn=step) -> float:
 
 
 def cpu_rows(name, build, shape, chain, budgets, repeats, fractions=compile_budget.FRACTIONS):
-    x = torch.randn(*shape)
+    x = torch.randn(*shape, device=DEVICE)
     variants = _variants(name, build, x, chain, budgets, fractions)
     peaks, times = {}, {label: [] for label, _, _ in variants}
     for label, _, model in variants:
@@ -281,6 +288,7 @@ def _load() -> str:
 
 
 ALLOCATOR = "system malloc"
+DEVICE = "cpu"  # where the real-step rows run (--device)
 
 
 def caching_heap() -> str:
@@ -306,11 +314,25 @@ def caching_heap() -> str:
     return ALLOCATOR
 
 
+def select_device(parser, args) -> pathlib.Path:
+    """Set :data:`DEVICE` from ``--device`` and return the output folder."""
+    global DEVICE
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False here; run on a machine with a GPU "
+                     "and a CUDA build of torch, or leave --device at cpu")
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        torch.cuda.init()  # measure_peak reads the CUDA allocator's statistics once CUDA is initialised
+    default = ROOT / "benchmarks" / "results" / ("cuda" if DEVICE == "cuda" else "")
+    return pathlib.Path(args.out) if args.out else default
+
+
 def _environment(args) -> str:
     return (f"Command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
             f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
-            f"CPU allocator: {ALLOCATOR}")
+            f"CPU allocator: {ALLOCATOR}"
+            + (f"  \nGPU: {torch.cuda.get_device_name()}" if DEVICE == "cuda" else ""))
 
 
 def main(argv=None) -> int:
@@ -318,7 +340,9 @@ def main(argv=None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores (default)")
     mode.add_argument("--full", action="store_true", help="torchvision nets at paper scale, larger CPU inputs")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the real-step rows run; on cuda peaks come from torch.cuda.max_memory_allocated")
     parser.add_argument("--only", choices=("paper", "cpu"), help="run one of the two scales")
     parser.add_argument("--rockmate-python", default=sys.executable,
                         help="interpreter with rockmate and rkgb installed (a venv of its own)")
@@ -329,10 +353,10 @@ def main(argv=None) -> int:
     parser.add_argument("--system-malloc", action="store_true",
                         help="leave glibc's malloc as it is (see caching_heap: step times then follow page faults)")
     args = parser.parse_args(argv)
+    out = select_device(parser, args)
     if not args.system_malloc:
         caching_heap()
     torch.set_num_threads(args.threads)
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = _environment(args)
     if args.only in (None, "paper"):
@@ -357,7 +381,7 @@ def main(argv=None) -> int:
                  f"cores: noisy (two runs of one comparison differed by up to 15% here), compare ratios within one "
                  f"net only.")
         rockmate = rockmate_rows(args.rockmate_python, timeout_s=args.rockmate_timeout or (1800 if args.full else 120))
-        text = (f"# Real steps on CPU\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
+        text = (f"# Real steps on {DEVICE.upper()}\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
                 f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
                 f"{rockmate_table(rockmate)}\n")
         (out / "cpu_tradeoff.md").write_text(text)

@@ -13,13 +13,14 @@
 - ``grad_bytes``: the size of its output's gradient (the tensor's size, views included);
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
   (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
-  buffers (``narrow``/``slice`` allocate their input's size);
+  buffers, in every autograd node the call creates (``narrow``/``slice`` allocate their input's
+  size; a ``Linear`` on 3-d inputs ends in a view but its ``addmm`` allocates);
 - ``uses_rng``: whether it draws random numbers (dropout masks); such nodes must keep their
   relative order, or the RNG stream hands them other masks;
-- its forward and backward cost: median wall time over repeats (``"measured"``; the backward
-  of a node is the time from its output's ``grad_fn`` starting to the next node's starting),
-  FLOPs plus a memory-traffic term (``"flops"``, works under ``FakeTensorMode``; backward twice
-  the forward) or 1 and 2 (``"uniform"``).
+- its forward and backward cost: median wall time over repeats (``"measured"``, CUDA kernels
+  waited for; the backward of a node is the time from its output's ``grad_fn`` starting to the
+  next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
+  ``FakeTensorMode``; backward twice the forward) or 1 and 2 (``"uniform"``).
 Parameters, buffers and graph inputs are outside the budget and are never attributed to nodes.
 Buffers and the RNG state are restored afterwards, so profiling leaves the model untouched.
 """
@@ -219,8 +220,10 @@ class _ProfilingInterpreter(fx.Interpreter):
         getattr(self, n.op)(n.target, args, kwargs)  # warm-up: first calls pay one-off costs
         samples = []
         for _ in range(self.repeats):
+            _synchronize()
             start = time.perf_counter()
             getattr(self, n.op)(n.target, args, kwargs)
+            _synchronize()
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
 
@@ -323,6 +326,17 @@ def _passes_views(fn, stops, leaves, depth: int) -> bool:
     return True
 
 
+def _synchronize() -> None:
+    """Wait for queued CUDA kernels, so that wall times measure them and not their launch."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _now() -> float:
+    _synchronize()
+    return time.perf_counter()
+
+
 def _scalar_loss(out) -> torch.Tensor | None:
     parts = [t.float().sum() for t in _tensors(out) if t.requires_grad]
     return torch.stack(parts).sum() if parts else None
@@ -340,13 +354,13 @@ def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, flo
     for node, value in env.items():
         fns = {t.grad_fn for t in _tensors(value) if t.grad_fn is not None}
         for fn in fns if node.op in CALL_OPS else ():
-            handles.append(fn.register_prehook(lambda _g, name=node.name: events.append((time.perf_counter(), name))))
+            handles.append(fn.register_prehook(lambda _g, name=node.name: events.append((_now(), name))))
     samples: dict[str, list[float]] = {}
     try:
         for _ in range(repeats):
             events.clear()
             torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            events.append((time.perf_counter(), None))
+            events.append((_now(), None))
             for (t0, name), (t1, _) in zip(events, events[1:]):
                 samples.setdefault(name, []).append((t1 - t0) * 1e3)
     finally:
@@ -360,11 +374,11 @@ def _time_step(gm: fx.GraphModule, inputs, repeats: int) -> float:
     params = [p for p in gm.parameters() if p.requires_grad]
     samples = []
     for _ in range(repeats + 1):
-        start = time.perf_counter()
+        start = _now()
         loss = _scalar_loss(gm(*inputs))
         if loss is not None and params:
             torch.autograd.grad(loss, params, allow_unused=True)
-        samples.append((time.perf_counter() - start) * 1e3)
+        samples.append((_now() - start) * 1e3)
     return statistics.median(samples[1:])
 
 
