@@ -130,3 +130,29 @@ def test_predicted_recomputation_stops_where_torch_stops():
     assert counter.count == 4
     assert rerun_time(graph, head) == counter.count * per_node
     assert recompute_time(graph, Schedule((head, rest), (True, False))) == counter.count * per_node
+
+
+class IdentityShortcut(nn.Module):
+    """A residual block whose shortcut is ``nn.Identity``: the call returns its input, adds no
+    autograd node, and the add's gradient reaches the block's input as it is (no new buffer)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, d))
+        self.shortcut = nn.Identity()
+
+    def forward(self, x):
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def test_identity_shortcut_passes_its_gradient_through():
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(32, 64), IdentityShortcut(), nn.Linear(64, 8)), torch.randn(256, 32)
+    gm, graph = _graph_and_module(model, x)
+    assert graph.grad_alias[graph.names.index("_1_shortcut")]
+    start, stop = graph.names.index("_1_body_0"), graph.names.index("relu")
+    segments = (tuple(range(start)), tuple(range(start, stop)), tuple(range(stop, graph.n)))
+    emitted = rewrite(gm, [_names(graph, s) for s in segments], [False, True, False], {})
+    measured = _measured(emitted, model, x)
+    predicted = simulate(graph, Schedule(segments, (False, True, False)))
+    assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"

@@ -153,6 +153,9 @@ class _ProfilingInterpreter(fx.Interpreter):
                 self.owner.setdefault(_storage_key(t), "")
             return out
         versions = {name: b._version for name, b in self.buffers}
+        # autograd nodes of the inputs before the call: a call that returns an input unchanged
+        # (nn.Identity) adds none, and its gradient passes through as it is
+        before = {t.grad_fn for t in _tensors(self._fetch_args(n)) if t.grad_fn is not None}
         rng_before = None if self.fake else torch.get_rng_state()
         recorder = _SavedRecorder()
         flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
@@ -171,7 +174,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             # version counter, so every buffer of a called module counts as mutated.
             mutated |= {f"{n.target}.{name}" for name, _ in self.module.get_submodule(n.target).named_buffers()}
         mutated = tuple(sorted(mutated))
-        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops), mutated_buffers=mutated,
+        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before), mutated_buffers=mutated,
                        uses_rng=uses_rng)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
             cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
@@ -227,7 +230,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
 
-    def _node_cost(self, n, out, saved, transient, flops) -> NodeCost:
+    def _node_cost(self, n, out, saved, transient, flops, before=frozenset()) -> NodeCost:
         out_bytes, root = 0, n.name
         for t in _tensors(out):
             key = _storage_key(t)
@@ -248,7 +251,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             elif who:
                 saved_inputs.add(who)
         requires_grad = any(t.requires_grad for t in _tensors(out))
-        grad_alias = _grad_alias(out, self._fetch_args(n))
+        grad_alias = _grad_alias(out, self._fetch_args(n), before)
         param_grad = sum(self.param_keys.get(_storage_key(t), 0) for t in _tensors((n.args, n.kwargs)))
         if n.op == "call_module":
             mod = self.module.get_submodule(n.target)
@@ -296,13 +299,16 @@ _ALIAS_GRAD_FNS = (
 )
 
 
-def _grad_alias(out, args) -> bool:
+def _grad_alias(out, args, before=frozenset()) -> bool:
     """Whether every autograd node the call created passes views of its incoming gradient on
     (a module whose last op is a view, such as ``Linear`` on 3-d inputs, does not: its ``addmm``
-    allocates the input's gradient)."""
+    allocates the input's gradient). A call that created none (it returned an input, whose
+    autograd node is in ``before``) passes its gradient on as it is."""
     outs = _tensors(out)
     if len(outs) != 1 or outs[0].grad_fn is None:
         return False
+    if outs[0].grad_fn in before:
+        return True
     inputs = _tensors(args)
     stops = {t.grad_fn for t in inputs if t.grad_fn is not None}
     leaves = {id(t) for t in inputs if t.grad_fn is None}
