@@ -34,7 +34,7 @@ from fxremat.solvers.rotor import ChainCosts, solve_rotor
 from .baselines import SequentialCheckpoint
 from .nets import resnet_chain, resnet_stages, transformer_stack
 from . import run as harness
-from .run import MIB, _environment, _load, caching_heap, loss_of, plot, select_device, timed_step, with_grads
+from .run import MIB, _environment, _load, add_machine_options, loss_of, plot, set_up_machine, timed_step, with_grads
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STRATEGIES = ("auto", "rotor", "exact", "chen", "hong")
@@ -177,21 +177,11 @@ def rotor_dp_seconds(stages=339, slots=500, repeats=3) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="12-deep nets, fewer repeats")
-    parser.add_argument("--out", default=None, help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the steps run")
     parser.add_argument("--cost-model", default="measured", choices=("measured", "flops"),
                         help="how fxremat costs the nodes (measured: timed on this machine, per compile)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
-                             "another process stalls every parallel op)")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (see benchmarks.run.caching_heap)")
+    add_machine_options(parser)
     args = parser.parse_args(argv)
-    out = select_device(parser, args)
-    if not args.system_malloc:
-        caching_heap()
-    torch.set_num_threads(args.threads)
-    out.mkdir(parents=True, exist_ok=True)
+    out = set_up_machine(parser, args)
     repeats = 5 if args.quick else 11
     all_rows = []
     for name, build, shape in nets(args.quick):

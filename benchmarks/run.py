@@ -314,6 +314,29 @@ def caching_heap() -> str:
     return ALLOCATOR
 
 
+def add_machine_options(parser) -> None:
+    """``--out``, ``--device``, ``--threads`` and ``--system-malloc``, shared by the harnesses."""
+    parser.add_argument("--out", default=None,
+                        help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run; on cuda peaks come from torch.cuda.max_memory_allocated")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
+                             "another process stalls every parallel op)")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (see caching_heap: step times then follow page faults)")
+
+
+def set_up_machine(parser, args) -> pathlib.Path:
+    """Apply :func:`add_machine_options`' options; return the output folder, created."""
+    out = select_device(parser, args)
+    if not args.system_malloc:
+        caching_heap()
+    torch.set_num_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def select_device(parser, args) -> pathlib.Path:
     """Set :data:`DEVICE` from ``--device`` and return the output folder."""
     global DEVICE
@@ -340,24 +363,13 @@ def main(argv=None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a few minutes on 2 CPU cores (default)")
     mode.add_argument("--full", action="store_true", help="torchvision nets at paper scale, larger CPU inputs")
-    parser.add_argument("--out", default=None, help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the real-step rows run; on cuda peaks come from torch.cuda.max_memory_allocated")
     parser.add_argument("--only", choices=("paper", "cpu"), help="run one of the two scales")
     parser.add_argument("--rockmate-python", default=sys.executable,
                         help="interpreter with rockmate and rkgb installed (a venv of its own)")
     parser.add_argument("--rockmate-timeout", type=float, default=None, help="seconds per Rockmate solve")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
-                             "another process stalls every parallel op)")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (see caching_heap: step times then follow page faults)")
+    add_machine_options(parser)
     args = parser.parse_args(argv)
-    out = select_device(parser, args)
-    if not args.system_malloc:
-        caching_heap()
-    torch.set_num_threads(args.threads)
-    out.mkdir(parents=True, exist_ok=True)
+    out = set_up_machine(parser, args)
     env = _environment(args)
     if args.only in (None, "paper"):
         rows = [paper_row(*net) for net in paper_nets(include_zoo=args.full)]

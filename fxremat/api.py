@@ -21,7 +21,6 @@ from torch.utils._pytree import tree_flatten
 
 from .budget import parse_budget
 from .graph import CostGraph, build_graph
-from .lowersets import bits
 from .passes.profile import GraphCosts, profile
 from .passes.rewrite import rewrite
 from .passes.trace import trace

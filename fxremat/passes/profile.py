@@ -250,7 +250,6 @@ class _ProfilingInterpreter(fx.Interpreter):
                 saves_output = True
             elif who:
                 saved_inputs.add(who)
-        requires_grad = any(t.requires_grad for t in _tensors(out))
         grad_alias = _grad_alias(out, self._fetch_args(n), before)
         param_grad = sum(self.param_keys.get(_storage_key(t), 0) for t in _tensors((n.args, n.kwargs)))
         if n.op == "call_module":
