@@ -19,6 +19,8 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from .harness import ROOT, step, with_grads
+
 __all__ = ["BLOCK_CLASSES", "checkpoint_blocks", "SequentialCheckpoint", "rockmate_rows", "rockmate_table"]
 
 # Classes a person would wrap in torch.utils.checkpoint by hand: one residual / dense /
@@ -73,7 +75,6 @@ class SequentialCheckpoint(torch.nn.Module):
 # limit: its ILP solves can take many minutes, and an import or CUDA failure must not stop the
 # harness. The child prints one JSON line; the parent turns every outcome into a row.
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROCKMATE_MODES = {"rotor": "PureRotor", "hilp": "Rockmate"}  # chain rotor DP / default hierarchical ILP
 
 
@@ -128,12 +129,9 @@ def _rockmate_child(argv=None) -> dict:
     except Exception as err:  # rkgb 2.0.0 from PyPI lacks its own subpackages
         return {"status": "import failed", "reason": f"import rockmate: {type(err).__name__}: {err}"}
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import unet
-
     from fxremat import measure_peak
 
-    from .run import step, with_grads
+    from .nets import unet
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

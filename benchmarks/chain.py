@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -33,10 +32,7 @@ from fxremat.solvers.rotor import ChainCosts, solve_rotor
 
 from .baselines import SequentialCheckpoint
 from .nets import resnet_chain, resnet_stages, transformer_stack
-from . import run as harness
-from .run import MIB, _environment, _load, add_machine_options, loss_of, plot, set_up_machine, timed_step, with_grads
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from .harness import MIB, add_machine_options, load_average, plot, set_up_machine, step, timed_step, with_grads
 STRATEGIES = ("auto", "rotor", "exact", "chen", "hong")
 SUMMARY_FAMILIES = ("auto", "rotor", "exact")
 
@@ -48,12 +44,6 @@ def nets(quick: bool):
         ("resnet50_stages", lambda: resnet_stages(width=16 if quick else 32), (8, 3, 128, 128)),
         ("transformer", lambda: transformer_stack(depth=depth, dim=64, heads=4), (8, 128, 64)),
     ]
-
-
-def step(model, x):
-    out = model(x)
-    loss_of(out).backward()
-    return out
 
 
 def _compile(base, budget, strategy, x, cost_model):
@@ -84,9 +74,9 @@ def measure(models, x, repeats):
     return peaks, {k: statistics.median(v) for k, v in times.items() if v}
 
 
-def run_net(name, build, shape, repeats, cost_model="measured"):
+def run_net(name, build, shape, repeats, cost_model="measured", device="cpu"):
     torch.manual_seed(0)
-    base, x = build().to(harness.DEVICE), torch.randn(*shape, device=harness.DEVICE)
+    base, x = build().to(device), torch.randn(*shape, device=device)
     models = variants(base, x)
     # fxremat at the peak of each checkpoint_sequential row (measured first, alone) and at min
     seq_peaks, _ = measure([m for m in models if m[1] == "sequential"], x, 0)
@@ -181,24 +171,25 @@ def main(argv=None) -> int:
                         help="how fxremat costs the nodes (measured: timed on this machine, per compile)")
     add_machine_options(parser)
     args = parser.parse_args(argv)
-    out = set_up_machine(parser, args)
+    machine = set_up_machine(parser, args, "benchmarks.chain")
+    out = machine.out
     repeats = 5 if args.quick else 11
     all_rows = []
     for name, build, shape in nets(args.quick):
-        rows = run_net(name, build, shape, repeats, args.cost_model)
+        rows = run_net(name, build, shape, repeats, args.cost_model, machine.device)
         plot(rows, out / f"chain_{name}.png", STYLES)
         all_rows += rows
         print(table(rows))
     dp = rotor_dp_seconds()
-    text = (f"# Chains: rotor vs checkpoint_sequential, Kusumoto, Chen, Hong ({harness.DEVICE.upper()})\n\n"
-            f"{_environment(args).replace('benchmarks.run', 'benchmarks.chain')}\n\n"
+    text = (f"# Chains: rotor vs checkpoint_sequential, Kusumoto, Chen, Hong ({machine.device.upper()})\n\n"
+            f"{machine.environment()}\n\n"
             f"Step times are medians of {repeats} interleaved repeats, each right after an untimed step of the "
-            f"same variant (`benchmarks.run.timed_step`), as ratios to plain in the same "
+            f"same variant (`benchmarks.harness.timed_step`), as ratios to plain in the same "
             f"loop; peaks are measured (`fxremat.measure_peak`, gradients pre-allocated). fxremat rows "
             f"are planned ({args.cost_model} costs) at each checkpoint_sequential row's measured peak and at `min`. "
             f"The ceiling column is the gain of a plan as fast as plain within that peak: fxremat cannot beat "
             f"a sequential row by more. "
-            f"Load average at the end: {_load()} on {os.cpu_count()} cores (a shared machine: times are noisy).\n\n"
+            f"Load average at the end: {load_average()} on {os.cpu_count()} cores (a shared machine: times are noisy).\n\n"
             f"## Equal memory\n\n{summary(all_rows)}\n\n## All rows\n\n{table(all_rows)}\n\n"
             f"## Rotor DP time\n\n339 stages, 500 slots: {dp:.2f} s (median of 3; target ≤ 2 s).\n")
     (out / "chain.md").write_text(text)

@@ -47,6 +47,9 @@ from torch import nn
 
 from fxremat.measure import LiveStorageTracker
 
+from .harness import ROOT, load_average, step, with_grads
+from .nets import cpu_nets
+
 __all__ = ["FRACTIONS", "CompileBudget", "variants", "describe", "allocated_peak", "calibrate"]
 
 FRACTIONS = (1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
@@ -306,8 +309,6 @@ def calibration_table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    from .run import ROOT, _load, cpu_nets, step, with_grads
-
     nets = {name: (build, shape) for name, build, shape, _ in cpu_nets(full=False)}
     parser = argparse.ArgumentParser(description="Calibrate the torch.compile replay against Inductor.")
     parser.add_argument("--net", choices=sorted(nets), default="unet", help="a net of the CPU trade-off table")
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
             "not see Inductor's buffers). Allocated peak: the running sum of the profiler's CPU allocation events, "
             "op workspaces included, so higher than the tracker's for the same run. Replay: the partitioned graphs "
             "run eagerly (`benchmarks/compile_budget.py`). Step times: medians of interleaved repeats on a shared "
-            f"machine, noisy (load average {_load()} at the end). Inductor is compiled and "
+            f"machine, noisy (load average {load_average()} at the end). Inductor is compiled and "
             "timed one fraction at a time, interleaved with plain eager.\n\n" + calibration_table(rows) + "\n")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,11 +1,21 @@
-"""Benchmark nets beyond the examples, all ``nn.Sequential`` chains so that
-``checkpoint_sequential`` applies to them: a ResNet-style chain of identical residual blocks, a
-ResNet-50-style chain of bottleneck stages whose activations shrink stage by stage (a
-heterogeneous chain, as real ResNets are), and a transformer stack."""
+"""Benchmark nets: the examples' U-Net and PSPNet (:func:`cpu_nets`, the CPU trade-off set) and
+nets beyond them, all ``nn.Sequential`` chains so that ``checkpoint_sequential`` applies to them: a
+ResNet-style chain of identical residual blocks, a ResNet-50-style chain of bottleneck stages whose
+activations shrink stage by stage (a heterogeneous chain, as real ResNets are), and a transformer
+stack."""
 
 from __future__ import annotations
 
+import sys
+
 import torch.nn as nn
+
+from .harness import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+
+import pspnet  # noqa: E402
+import unet  # noqa: E402
 
 
 class Block(nn.Module):
@@ -101,3 +111,13 @@ class TransformerBlock(nn.Module):
 def transformer_stack(depth: int = 8, dim: int = 64, heads: int = 4) -> nn.Sequential:
     """``depth`` transformer blocks and a final norm over (batch, tokens, dim) inputs."""
     return nn.Sequential(*[TransformerBlock(dim, heads) for _ in range(depth)], nn.LayerNorm(dim))
+
+
+def cpu_nets(full: bool):
+    """``(name, build(size), input shape, is a chain)`` for the CPU trade-off table."""
+    scale = 2 if full else 1
+    return [
+        ("unet", unet.build_model, (4, 3, 128 * scale, 128 * scale), False),
+        ("pspnet", pspnet.build_model, (4, 3, 96 * scale, 96 * scale), False),
+        ("resnet_chain", lambda size="small": resnet_chain(depth=12 * scale), (8, 3, 64, 64), True),
+    ]

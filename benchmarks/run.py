@@ -25,30 +25,21 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import os
-import pathlib
-import platform
 import statistics
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import fxremat
 
 from . import compile_budget
 from .baselines import SequentialCheckpoint, checkpoint_blocks, rockmate_rows, rockmate_table
-from .nets import resnet_chain
+from .harness import (GIB, MIB, add_machine_options, load_average, loss_of, plot, set_up_machine, step, timed_step,
+                      with_grads)
+from .nets import cpu_nets, pspnet, unet
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-import pspnet  # noqa: E402
-import unet  # noqa: E402
-
-GIB, MIB = 2**30, 2**20
 QUICK_FRACTIONS = (1.0, 0.5, 0.3, 0.1, 0.0)
 # Kusumoto et al. Table 1 (GB, parameters included): vanilla, best of their DP columns, Chen's.
 PAPER = {
@@ -56,26 +47,6 @@ PAPER = {
     "resnet152": (9.2, 2.3, 2.4), "vgg19": (7.0, 4.5, 4.7), "densenet161": (8.5, 1.6, 1.8),
     "googlenet": (8.5, 5.2, 6.5),
 }
-
-
-def loss_of(out):
-    out = out.logits if hasattr(out, "logits") else out
-    target = torch.zeros(out.shape[0], *out.shape[2:], dtype=torch.long, device=out.device)
-    return F.cross_entropy(out, target)
-
-
-def with_grads(model):
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    return model
-
-
-def step(model, x):
-    """One training step written the usual way: the output is held until the step ends."""
-    out = model(x)
-    loss_of(out).backward()
-    return out
 
 
 def _torchvision(name, **kwargs):
@@ -167,18 +138,9 @@ def paper_table(rows) -> str:
     return "\n".join(lines)
 
 
-def cpu_nets(full: bool):
-    scale = 2 if full else 1
-    return [
-        ("unet", unet.build_model, (4, 3, 128 * scale, 128 * scale), False),  # noqa: E501
-        ("pspnet", pspnet.build_model, (4, 3, 96 * scale, 96 * scale), False),
-        ("resnet_chain", lambda size="small": resnet_chain(depth=12 * scale), (8, 3, 64, 64), True),
-    ]
-
-
 def _variants(name, build, x, chain: bool, budgets, fractions):
     torch.manual_seed(0)
-    base = build("small").to(DEVICE)
+    base = build("small").to(x.device)
     variants = [("plain", "plain", copy.deepcopy(base))]
     hand = copy.deepcopy(base)
     checkpoint_blocks(hand)
@@ -197,29 +159,8 @@ def _variants(name, build, x, chain: bool, budgets, fractions):
     return variants
 
 
-def _time(fn, *args) -> float:
-    _synchronize()
-    start = time.perf_counter()
-    fn(*args)
-    _synchronize()
-    return time.perf_counter() - start
-
-
-def _synchronize() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-
-
-def timed_step(model, x, step_fn=step) -> float:
-    """Seconds of one training step taken right after an untimed one. Variants are interleaved,
-    and on CPU a step timed right after another variant's runs on the heap that variant left
-    (freed or kept pages): measured here, that biased ratios by up to ±10% either way."""
-    step_fn(model, x)
-    return _time(step_fn, model, x)
-
-
-def cpu_rows(name, build, shape, chain, budgets, repeats, fractions=compile_budget.FRACTIONS):
-    x = torch.randn(*shape, device=DEVICE)
+def cpu_rows(name, build, shape, chain, budgets, repeats, fractions=compile_budget.FRACTIONS, device="cpu"):
+    x = torch.randn(*shape, device=device)
     variants = _variants(name, build, x, chain, budgets, fractions)
     peaks, times = {}, {label: [] for label, _, _ in variants}
     for label, _, model in variants:
@@ -256,108 +197,6 @@ TRADEOFF_STYLES = (("fxremat", "o-"), ("sequential", "s--"), (compile_budget.FAM
                    ("plain", "*"))
 
 
-def plot(rows, path, styles=TRADEOFF_STYLES) -> bool:
-    """Step time vs measured peak (the papers' Figure 3 style): a line per family in
-    ``styles`` ((family, matplotlib format) pairs), a star for plain."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install matplotlib): no plot written")
-        return False
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for family, style in styles:
-        pts = sorted((r["peak"] / MIB, r["ratio"]) for r in rows if r["family"] == family)
-        if pts:
-            ax.plot(*zip(*pts), style, label=family, markersize=10 if family == "plain" else 6)
-    ax.set_xlabel("measured peak (MiB)")
-    ax.set_ylabel("step time / plain")
-    ax.set_title(f"{rows[0]['net']}: memory vs time (CPU, median of interleaved steps)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _load() -> str:
-    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
-
-
-ALLOCATOR = "system malloc"
-DEVICE = "cpu"  # where the real-step rows run (--device)
-
-
-def caching_heap() -> str:
-    """Make glibc keep freed memory in its heap, as a GPU caching allocator does.
-
-    By default glibc hands blocks above a dynamic threshold (128 KiB at start) back to the OS when
-    they are freed, so every step page-faults its activations in again: step time then grows with
-    the bytes a step allocates, which favours whatever keeps less memory (checkpointed variants
-    measured up to 20% faster than plain here) and swings with the variant timed before.
-    ``mallopt`` raises the mmap threshold to its 32 MiB maximum and stops heap trimming; peaks are
-    unaffected (they are counted by the tracker). Returns a line for the results' header."""
-    global ALLOCATOR
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        ALLOCATOR = "system malloc (not glibc: freed memory may go back to the OS)"
-        return ALLOCATOR
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    if libc.mallopt(m_mmap_threshold, 32 * MIB) and libc.mallopt(m_trim_threshold, 2**31 - 1):
-        ALLOCATOR = "glibc heap kept (mallopt: mmap threshold 32 MiB, no trimming), like a caching allocator"
-    else:
-        ALLOCATOR = "system malloc (mallopt refused)"
-    return ALLOCATOR
-
-
-def add_machine_options(parser) -> None:
-    """``--out``, ``--device``, ``--threads`` and ``--system-malloc``, shared by the harnesses."""
-    parser.add_argument("--out", default=None,
-                        help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the steps run; on cuda peaks come from torch.cuda.max_memory_allocated")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
-                             "another process stalls every parallel op)")
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="leave glibc's malloc as it is (see caching_heap: step times then follow page faults)")
-
-
-def set_up_machine(parser, args) -> pathlib.Path:
-    """Apply :func:`add_machine_options`' options; return the output folder, created."""
-    out = select_device(parser, args)
-    if not args.system_malloc:
-        caching_heap()
-    torch.set_num_threads(args.threads)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def select_device(parser, args) -> pathlib.Path:
-    """Set :data:`DEVICE` from ``--device`` and return the output folder."""
-    global DEVICE
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False here; run on a machine with a GPU "
-                     "and a CUDA build of torch, or leave --device at cpu")
-    DEVICE = args.device
-    if DEVICE == "cuda":
-        torch.cuda.init()  # measure_peak reads the CUDA allocator's statistics once CUDA is initialised
-    default = ROOT / "benchmarks" / "results" / ("cuda" if DEVICE == "cuda" else "")
-    return pathlib.Path(args.out) if args.out else default
-
-
-def _environment(args) -> str:
-    return (f"Command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`  \n"
-            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
-            f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
-            f"CPU allocator: {ALLOCATOR}"
-            + (f"  \nGPU: {torch.cuda.get_device_name()}" if DEVICE == "cuda" else ""))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
@@ -369,8 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rockmate-timeout", type=float, default=None, help="seconds per Rockmate solve")
     add_machine_options(parser)
     args = parser.parse_args(argv)
-    out = set_up_machine(parser, args)
-    env = _environment(args)
+    machine = set_up_machine(parser, args, "benchmarks.run")
+    out, env = machine.out, machine.environment()
     if args.only in (None, "paper"):
         rows = [paper_row(*net) for net in paper_nets(include_zoo=args.full)]
         text = f"# Paper scale (fake tensors)\n\n{env}\n\n{paper_table(rows)}\n"
@@ -381,19 +220,19 @@ def main(argv=None) -> int:
         repeats = 5 if not args.full else 15
         # --quick sweeps torch.compile's budget over fewer fractions: each one compiles again
         fractions = compile_budget.FRACTIONS if args.full else QUICK_FRACTIONS
-        load_before = _load()
+        load_before = load_average()
         all_rows = []
         for name, build, shape, chain in cpu_nets(args.full):
-            rows = cpu_rows(name, build, shape, chain, budgets, repeats, fractions)
-            plot(rows, out / f"cpu_tradeoff_{name}.png")
+            rows = cpu_rows(name, build, shape, chain, budgets, repeats, fractions, machine.device)
+            plot(rows, out / f"cpu_tradeoff_{name}.png", TRADEOFF_STYLES)
             all_rows += rows
         noise = (f"Memory columns are exact (live-storage tracker). Step times are medians of {repeats} interleaved "
                  f"repeats, each right after an untimed step of the same variant (`timed_step`), on a shared "
-                 f"machine, load average {load_before} before and {_load()} after this section on {os.cpu_count()} "
+                 f"machine, load average {load_before} before and {load_average()} after this section on {os.cpu_count()} "
                  f"cores: noisy (two runs of one comparison differed by up to 15% here), compare ratios within one "
                  f"net only.")
         rockmate = rockmate_rows(args.rockmate_python, timeout_s=args.rockmate_timeout or (1800 if args.full else 120))
-        text = (f"# Real steps on {DEVICE.upper()}\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
+        text = (f"# Real steps on {machine.device.upper()}\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
                 f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
                 f"{rockmate_table(rockmate)}\n")
         (out / "cpu_tradeoff.md").write_text(text)
