@@ -2,7 +2,7 @@
 
 - Cython vs Python on random DAGs and costs: identical lower sets, tables and solutions.
 - Lower sets vs networkx: each one is the down-closure of an antichain.
-- Exact DP vs brute force (fxremat.solvers.brute) on graphs of ≤ 6 nodes, through both kernels.
+- Exact DP vs brute force (tests/brute_dp.py) on graphs of ≤ 6 nodes, through both kernels.
 - The bounds that shrink the search do not change any answer.
 """
 
@@ -15,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import brute_dp as brute
 from fxremat import _kernels
 from fxremat.graph import CostGraph, _anchors, load_graph
 from fxremat.lowersets import all_lower_sets, enumerate_lower_sets, pruned_family
-from fxremat.solvers import brute, kusumoto
+from fxremat.solvers import kusumoto
 
 # dp_impl switches the kernels once per test, for all its examples
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -10,7 +10,7 @@ from fxremat.solvers.rotor import (
     BWD, FALL, FCK, FN, ChainCosts, CheckpointSegment, PlainStage, RotorSchedule, RotorTable,
     flatten_nested, rotor_row, rotor_table, simulate_schedule, solve_rotor, to_slots,
 )
-from fxremat.solvers.rotor_brute import brute_force_min_time, brute_force_schedule
+from brute_rotor import brute_force_min_time, brute_force_schedule
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..graph import CostGraph
+from fxremat.graph import CostGraph
 
 __all__ = ["ChainCost", "lower_sets", "chains", "chain_cost", "least_time", "least_peak", "MAX_NODES"]
 
@@ -49,7 +49,7 @@ def _tie(graph: CostGraph, v: int) -> int:
 def lower_sets(graph: CostGraph) -> list[int]:
     """All subsets closed under predecessors and ties, by checking every subset."""
     if graph.n > MAX_NODES:
-        raise ValueError(f"fxremat.solvers.brute: {graph.n} nodes; the oracle handles at most {MAX_NODES}")
+        raise ValueError(f"tests/brute_dp.py: {graph.n} nodes; the oracle handles at most {MAX_NODES}")
     heads = [_tie(graph, v) for v in range(graph.n)]
     found = []
     for mask in range(1 << graph.n):

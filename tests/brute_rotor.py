@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from .rotor import BWD, FALL, FCK, FN, ChainCosts, Memory, initial_memory, memory_bytes_of, step
+from fxremat.solvers.rotor import BWD, FALL, FCK, FN, ChainCosts, Memory, initial_memory, memory_bytes_of, step
 
 __all__ = ["brute_force_min_time", "brute_force_schedule"]
 
