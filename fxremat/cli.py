@@ -76,15 +76,10 @@ def input_spec(text: str) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 def budget_arg(text: str):
-    """``"0.5"`` (fraction), ``"800MiB"``, ``"2e9"`` (bytes) or ``"min"``, validated."""
+    """``--budget``: parsed by :func:`fxremat.budget.parse_budget`, the rule Python uses for a string
+    (``"0.5"``/``"50%"`` fractions, ``"800MiB"``/``"2GB"`` bytes, ``"min"``)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = text
-    else:
-        value = int(value) if value > 1 and value.is_integer() else value
-    try:
-        return parse_budget(value)
+        return parse_budget(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("fxremat: ")) from None
 
@@ -384,8 +379,8 @@ def _common(sub: argparse.ArgumentParser, *, budget: bool, fake: bool) -> None:
                      help="one positional input, e.g. 2x3x96x96 or 4x128:int64; repeat for more inputs")
     if budget:
         sub.add_argument("--budget", type=budget_arg, required=True,
-                         help="fraction of the peak without recomputation (0.5), bytes with a unit "
-                              "(800MiB, 2GiB) or 'min'")
+                         help="fraction of the peak without recomputation (0.5 or 50%%), bytes with a "
+                              "unit (800MiB, 2GB) or 'min'")
     sub.add_argument("--strategy", choices=STRATEGIES, default="auto")
     sub.add_argument("--cost-model", choices=COST_MODELS, default=None,
                      help="default: measured (flops with --fake)")
