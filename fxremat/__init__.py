@@ -5,11 +5,11 @@
 """
 
 from .api import RematModule, compile, plan
-from .errors import InfeasibleBudgetError, TraceError
+from .errors import InfeasibleBudgetError, PlanBudgetError, TraceError
 from .measure import measure_peak
 from .plan import Plan, Segment
 from .views import load_plan
 
-__all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "TraceError",
+__all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "PlanBudgetError", "TraceError",
            "load_plan"]
 __version__ = "0.1.0"

@@ -9,6 +9,9 @@ The pipeline, one stage per module: trace (:mod:`fxremat.passes.trace`) → prof
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+import difflib
 import inspect
 import logging
 import sys
@@ -20,15 +23,16 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .budget import parse_budget
+from .errors import PlanBudgetError
 from .graph import CostGraph, build_graph
-from .passes.profile import GraphCosts, profile
+from .passes.profile import COST_MODELS, GraphCosts, profile
 from .passes.rewrite import rewrite
 from .passes.trace import trace
 from .plan import Plan, Segment
-from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, Choice, choose
+from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
-from .simulate import rerun_time
-from .views import check_plan, graph_key, node_infos, predicted_timeline
+from .simulate import Schedule, rerun_time, simulate
+from .views import check_plan, graph_key, node_infos, plan_schedule, predicted_timeline, validate_plan
 
 __all__ = ["compile", "plan", "RematModule"]
 
@@ -43,26 +47,108 @@ class _Config:
     budget: object
     strategy: str
     cost_model: str
-    exact_cap: int
+    exact_cap: int | None
     max_plans: int
     profile_repeats: int
     plan: Plan | None
     rotor_slots: int
+    leaf_modules: tuple = ()
 
 
-def _config(budget, strategy, cost_model, options) -> _Config:
+def _positive_int(api: str, name: str, value, *, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        extra = " or None (the default)" if allow_none else ""
+        raise ValueError(f"fxremat.{api}: {name} must be a positive int{extra}, got {value!r}")
+
+
+def _config(budget, strategy, cost_model, options, *, api: str = "compile", leaf_modules=()) -> _Config:
+    """Validate every argument and option of :func:`compile` / :func:`plan` at the call."""
     unknown = set(options) - set(_OPTIONS)
     if unknown:
-        raise TypeError(f"fxremat.compile: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+        raise TypeError(f"fxremat.{api}: unknown option(s) {sorted(unknown)}; known: {sorted(_OPTIONS)}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"fxremat.{api}: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"fxremat.{api}: cost_model must be one of {COST_MODELS}, got {cost_model!r}")
     merged = {**_OPTIONS, **options}
     if merged["plan"] is not None and not isinstance(merged["plan"], Plan):
-        raise TypeError(f"fxremat.compile: plan= takes a fxremat.Plan (fxremat.load_plan(path)), got "
+        raise TypeError(f"fxremat.{api}: plan= takes a fxremat.Plan (fxremat.load_plan(path)), got "
                         f"{type(merged['plan']).__name__}")
-    for name in ("max_plans", "rotor_slots"):
-        value = merged[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"fxremat.compile: {name} must be a positive int, got {value!r}")
-    return _Config(parse_budget(budget), strategy, cost_model, **merged)
+    if merged["plan"] is not None:
+        validate_plan(merged["plan"], origin=f"the plan passed to fxremat.{api}")
+    for name in ("max_plans", "rotor_slots", "profile_repeats"):
+        _positive_int(api, name, merged[name])
+    _positive_int(api, "exact_cap", merged["exact_cap"], allow_none=True)
+    return _Config(parse_budget(budget), strategy, cost_model, **merged, leaf_modules=tuple(leaf_modules))
+
+
+def _check_leaf_modules(model: torch.nn.Module, leaf_modules, api: str) -> tuple:
+    """``leaf_modules`` as a tuple, each entry an nn.Module class or a qualified submodule name."""
+    if isinstance(leaf_modules, (str, type)):
+        shown = leaf_modules.__name__ if isinstance(leaf_modules, type) else repr(leaf_modules)
+        raise TypeError(f"fxremat.{api}: leaf_modules takes a tuple of classes or qualified names, got "
+                        f"{shown} alone; write leaf_modules=({shown},)")
+    if not isinstance(leaf_modules, (tuple, list, set, frozenset)):
+        raise TypeError(f"fxremat.{api}: leaf_modules takes a tuple of nn.Module classes or qualified submodule "
+                        f"names, got {type(leaf_modules).__name__} {leaf_modules!r}")
+    names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+    for leaf in leaf_modules:
+        if isinstance(leaf, type) and issubclass(leaf, torch.nn.Module):
+            continue
+        if not isinstance(leaf, str):
+            raise TypeError(f"fxremat.{api}: leaf_modules entries must be nn.Module classes or qualified submodule "
+                            f"names (str), got {type(leaf).__name__} {leaf!r}")
+        if leaf in names:
+            continue
+        by_class = [n for n, m in model.named_modules() if n and type(m).__name__ == leaf]
+        hint = (f"it is the class of {by_class[:3]}: pass the class itself, leaf_modules=({leaf},)" if by_class
+                else f"close names: {difflib.get_close_matches(leaf, names, n=3)}" if difflib.get_close_matches(leaf, names)
+                else "see model.named_modules() for the qualified names")
+        raise ValueError(f"fxremat.{api}: leaf_modules entry {leaf!r} is not a submodule of "
+                         f"{type(model).__name__}; {hint}")
+    return tuple(leaf_modules)
+
+
+@contextlib.contextmanager
+def _stage(name: str, detail: str = ""):
+    """Log a pipeline stage at INFO on the ``fxremat`` logger: when it starts and how long it took.
+    The records carry ``fxremat_stage`` (the CLI turns them into progress-bar stages)."""
+    log.info("fxremat: %s%s ...", name, f" {detail}" if detail else "", extra={"fxremat_stage": name})
+    start = time.perf_counter()
+    yield
+    log.info("fxremat: %s done in %.2fs", name, time.perf_counter() - start, extra={"fxremat_stage_done": name})
+
+
+def _check_inputs(gm: torch.nn.Module, inputs: tuple, api: str = "compile") -> None:
+    """Refuse, before profiling, inputs fxremat cannot run: meta tensors, or a device that is not
+    the model's."""
+    tensors = [(i, x) for i, x in enumerate(tree_flatten(inputs)[0]) if isinstance(x, torch.Tensor)]
+    state = [t for t in (*gm.parameters(), *gm.buffers())]
+    if any(t.is_meta for t in state):
+        raise ValueError(
+            f"fxremat.{api}: the model's parameters or buffers are on the meta device; fxremat runs the model "
+            "to profile it: materialise them first (model.to_empty(device=...) and initialise), or build the "
+            "model under torch._subclasses.fake_tensor.FakeTensorMode to plan without allocating"
+        )
+    for i, x in tensors:
+        if x.is_meta:
+            raise ValueError(
+                f"fxremat.{api}: input {i} (shape {tuple(x.shape)}) is on the meta device; fxremat runs the model "
+                "to profile it: pass real tensors, or fake tensors made under "
+                "torch._subclasses.fake_tensor.FakeTensorMode to plan without allocating"
+            )
+    devices = {t.device for t in state}
+    if len(devices) == 1:
+        (device,) = devices
+        for i, x in tensors:
+            if x.device != device:
+                raise ValueError(
+                    f"fxremat.{api}: input {i} (shape {tuple(x.shape)}) is on {x.device} but the model's "
+                    f"parameters are on {device}; move the inputs with .to({str(device)!r}) (or the model "
+                    f"with .to({str(x.device)!r})) before the call"
+                )
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -107,7 +193,8 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), k
         budget_bytes=choice.budget_bytes,
         baseline_peak_bytes=choice.baseline_peak_bytes,
         predicted_peak_bytes=choice.peak_bytes,
-        predicted_overhead=choice.recompute_time * graph.time_unit / graph.step_cost,
+        # an empty batch costs nothing: no overhead rather than 0/0
+        predicted_overhead=choice.recompute_time * graph.time_unit / graph.step_cost if graph.step_cost else 0.0,
         solve_seconds=choice.solve_seconds,
         segments=tuple(segments),
         cost_model=cost_model,
@@ -122,13 +209,52 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), k
 
 
 def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Plan, GraphCosts]:
-    costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
-    graph = build_graph(gm, costs)
-    choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                    rotor_slots=config.rotor_slots)
+    _check_inputs(gm, inputs)
+    with _stage("profiling", f"{sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes, "
+                             f"cost model {config.cost_model}"):
+        costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
+        graph = build_graph(gm, costs)
+    with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
+        choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
+                        rotor_slots=config.rotor_slots)
     the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
                           key=graph_key(gm, inputs))
     return the_plan, costs
+
+
+def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str) -> Plan:
+    """``config.plan`` checked against this graph and re-derived from it: the graph key, every
+    segment's nodes (each call node once, dependencies in order), then one profile of the
+    current model (``"uniform"`` costs, or the plan's ``"flops"``: no timing) gives the mutated
+    buffers, the kept bytes, the baseline and the predicted peak (the plan's schedule simulated
+    again), which must fit ``config.budget``. Times of a ``"measured"`` plan are kept as saved."""
+    saved = config.plan
+    _check_inputs(gm, inputs)
+    check_plan(saved, gm, inputs, origin=origin)
+    cost_model = saved.cost_model if saved.cost_model != "measured" else "uniform"
+    with _stage("checking the saved plan", f"{saved.strategy}, {len(saved.segments)} segments"):
+        costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
+        graph = build_graph(gm, costs)
+        schedule = plan_schedule(saved, graph, origin=origin)
+        baseline = simulate(graph, Schedule((tuple(range(graph.n)),), (False,)))
+        peak = simulate(graph, schedule)
+    target = config.budget.resolve(baseline)
+    if target is None and saved.objective != "memory-centric":
+        raise PlanBudgetError(origin, None, peak, saved.budget_bytes)
+    if target is not None and peak > target:
+        raise PlanBudgetError(origin, target, peak, saved.budget_bytes)
+    choice = Choice(schedule, saved.strategy, saved.objective, peak if target is None else target, baseline, peak,
+                    recompute_time(graph, schedule), saved.solve_seconds, saved.num_lower_sets, saved.notes)
+    the_plan = _plan_from(graph, choice, saved.cost_model, nodes=node_infos(gm, costs), key=saved.graph_key)
+    if saved.cost_model == "measured":  # timings are not re-derived: keep the saved ones
+        the_plan = dataclasses.replace(the_plan, predicted_overhead=saved.predicted_overhead,
+                                       segments=_with_costs(the_plan.segments, saved.segments))
+    return the_plan
+
+
+def _with_costs(segments, saved) -> tuple[Segment, ...]:
+    return tuple(dataclasses.replace(s, recompute_cost=o.recompute_cost, inner=_with_costs(s.inner, o.inner))
+                 for s, o in zip(segments, saved))
 
 
 def emitted_code(gm: fx.GraphModule, title: str) -> str:
@@ -154,7 +280,8 @@ def _nested_args(segments):
 def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
     mutated = {n.name: n.mutated_buffers for n in the_plan.nodes}
     segments, recomputed, inner = _nested_args(the_plan.segments)
-    return rewrite(gm, segments, recomputed, mutated, inner)
+    with _stage("emitting", f"{sum(recomputed)} recomputed segments"):
+        return rewrite(gm, segments, recomputed, mutated, inner)
 
 
 def _wrappers() -> list[tuple[type, str, str]]:
@@ -194,9 +321,18 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
     no plan fits the budget.
     """
     _check_unwrapped(model, "plan")
-    config = _config(budget, strategy, cost_model, options)
-    gm = trace(model, leaf_modules=leaf_modules)
-    return _plan_traced(gm, _as_tuple(example_inputs), config)[0]
+    leaf_modules = _check_leaf_modules(model, leaf_modules, "plan")
+    config = _config(budget, strategy, cost_model, options, api="plan", leaf_modules=leaf_modules)
+    inputs = _as_tuple(example_inputs)
+    gm = _traced(model, leaf_modules)
+    if config.plan is not None:
+        return _saved_plan(gm, inputs, config, "the plan passed to fxremat.plan")
+    return _plan_traced(gm, inputs, config)[0]
+
+
+def _traced(model: torch.nn.Module, leaf_modules) -> fx.GraphModule:
+    with _stage("tracing", type(model).__name__):
+        return trace(model, leaf_modules=leaf_modules)
 
 
 def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: str = "auto",
@@ -220,8 +356,9 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_unwrapped(model, "compile")
-    config = _config(budget, strategy, cost_model, options)
-    remat = RematModule(model, trace(model, leaf_modules=leaf_modules), config)
+    leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
+    config = _config(budget, strategy, cost_model, options, leaf_modules=leaf_modules)
+    remat = RematModule(model, _traced(model, leaf_modules), config)
     if example_inputs is not None:
         remat._prepare(_as_tuple(example_inputs))
     return remat
@@ -280,6 +417,27 @@ class _State:
         return {**self.__dict__, "cache": collections.OrderedDict(), "last": None}
 
 
+def _called_modules(gm: fx.GraphModule) -> dict:
+    return {n.target: id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
+
+
+def _retrace_after_change(remat: "RematModule", what: str) -> None:
+    """After an attribute of the model was set or deleted through ``remat``: trace the model
+    again; when its graph or the modules it calls changed (torch.fx bakes Python values such as
+    ``self.scale = 2.0`` into the graph), use the new graph and drop the plans, which are made
+    again on the next training step."""
+    state = remat._remat
+    new = trace(state.model, leaf_modules=state.config.leaf_modules)
+    if new.code == state.traced.code and _called_modules(new) == _called_modules(state.traced):
+        return
+    log.info("fxremat: %s on %s changed the traced graph; planning again on the next training step",
+             what, type(state.model).__name__)
+    state.traced = new
+    state.traced_bindings = attribute_bindings(new, state.model)
+    state.cache.clear()
+    state.last = None
+
+
 class RematModule(torch.nn.Module):
     """``model`` with recomputation: same parameters, buffers and ``state_dict`` (shared, not
     copied), trained with its activation peak within the budget.
@@ -320,6 +478,41 @@ class RematModule(torch.nn.Module):
         self._remat.model.training = mode
         return self
 
+    # Attribute access: like torch.compile's OptimizedModule, names RematModule does not define
+    # itself are the original model's. Methods come bound to the original model and run plainly;
+    # only forward (calling the RematModule) is recomputed.
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (shared registries)
+        except AttributeError:
+            state = self.__dict__.get("_remat")
+            if state is None or (name.startswith("__") and name.endswith("__")):
+                raise
+        return getattr(state.model, name)
+
+    def _owns(self, name: str) -> bool:
+        return "_remat" not in self.__dict__ or name == "_remat" or name in self.__dict__ or hasattr(type(self), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if self._owns(name):
+            super().__setattr__(name, value)
+            if name == "training" and "_remat" in self.__dict__:
+                self._remat.model.training = value
+            return
+        setattr(self._remat.model, name, value)
+        _retrace_after_change(self, f"setting {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        if self._owns(name):
+            super().__delattr__(name)
+            return
+        delattr(self._remat.model, name)
+        _retrace_after_change(self, f"deleting {name!r}")
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(dir(self._remat.model)))
+
     def _bind(self, args, kwargs) -> tuple:
         bound = self._remat.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -333,9 +526,8 @@ class RematModule(torch.nn.Module):
         if entry is None:
             start = time.perf_counter()
             rebind(state.traced_bindings)
-            if state.config.plan is not None:  # a saved plan: no profiling, no solving
-                check_plan(state.config.plan, state.traced, inputs, origin="the plan passed to fxremat.compile")
-                the_plan = state.config.plan
+            if state.config.plan is not None:  # a saved plan: checked and re-derived, no solving
+                the_plan = _saved_plan(state.traced, inputs, state.config, "the plan passed to fxremat.compile")
             else:
                 the_plan = _plan_traced(state.traced, inputs, state.config)[0]
             gm = _emit(state.traced, the_plan)

@@ -32,7 +32,7 @@ from .budget import parse_budget
 from .errors import InfeasibleBudgetError, TraceError, format_bytes
 from .graph import build_graph
 from .measure import measure_peak
-from .passes.profile import COST_MODELS, profile
+from .passes.profile import COST_MODELS, preserved_state, profile
 from .passes.trace import trace
 from .planner import DEFAULT_EXACT_CAP, STRATEGIES, choose
 from .views import default_loss, graph_key, node_infos, plot_timeline, plot_tradeoff, tradeoff, write_csv
@@ -76,15 +76,10 @@ def input_spec(text: str) -> tuple[tuple[int, ...], torch.dtype]:
 
 
 def budget_arg(text: str):
-    """``"0.5"`` (fraction), ``"800MiB"``, ``"2e9"`` (bytes) or ``"min"``, validated."""
+    """``--budget``: parsed by :func:`fxremat.budget.parse_budget`, the rule Python uses for a string
+    (``"0.5"``/``"50%"`` fractions, ``"800MiB"``/``"2GB"`` bytes, ``"min"``)."""
     try:
-        value = float(text)
-    except ValueError:
-        value = text
-    else:
-        value = int(value) if value > 1 and value.is_integer() else value
-    try:
-        return parse_budget(value)
+        return parse_budget(text)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("fxremat: ")) from None
 
@@ -160,7 +155,39 @@ def _build(args) -> tuple[torch.nn.Module, tuple]:
     model.train()
     inputs = tuple(torch.randn(shape, dtype=dtype, device=device) if dtype.is_floating_point
                    else torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in args.input)
+    _check_runs(args, model, inputs)
     return model, inputs
+
+
+def _check_runs(args, model, inputs) -> None:
+    """One plain forward (no gradients; buffers and RNG restored) so that inputs the model cannot
+    take (``--input 2x3x32`` for a 4-d convolution, ``:int64`` for a float layer) are a usage
+    error of one line, before any tracing or profiling."""
+    try:
+        with preserved_state(model), torch.no_grad():
+            model(*inputs)
+    except Exception as exc:  # the user's model may raise anything on inputs it cannot take
+        first = (str(exc).strip().splitlines() or [""])[0]
+        specs = " ".join(f"--input {'x'.join(map(str, shape))}:{str(dtype).removeprefix('torch.')}"
+                         for shape, dtype in args.input)
+        raise UsageError(f"MODEL {args.model!r} cannot run on {specs}: {type(exc).__name__}: {first}; "
+                         "give --input the shape and dtype its forward takes (one --input per positional "
+                         "argument)") from None
+
+
+def _check_outputs(args, *names: str) -> None:
+    """Refuse output files whose folder does not exist or is not writable, before any work."""
+    for name in names:
+        path = getattr(args, name, None)
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--{name} {path}: folder {folder} does not exist; create it or write elsewhere")
+        if not os.access(folder, os.W_OK):
+            raise UsageError(f"--{name} {path}: folder {folder} is not writable; write elsewhere")
+        if os.path.isdir(path):
+            raise UsageError(f"--{name} {path} is a folder; give a file name")
 
 
 def _fake_mode(args):
@@ -191,8 +218,11 @@ def _tqdm():
 class _Progress:
     """A tqdm bar on stderr that shows itself once a run has taken more than a second.
 
-    A ticker thread refreshes it while a long stage (profiling, a solve) runs. Without tqdm, or
-    with ``quiet``, or when stderr is not a terminal, it does nothing.
+    The description names the stage and its running time (``profiling 175 nodes 4.1s``),
+    refreshed by a ticker thread while a long stage runs, so the bar moves even where the count
+    does not. Stages also come from the library's INFO records on the ``fxremat`` logger
+    (``fxremat.compile`` inside ``bench``). Without tqdm, or with ``quiet``, or when stderr is not
+    a terminal, it does nothing.
     """
 
     DELAY_S = 1.0
@@ -203,33 +233,59 @@ class _Progress:
                                            bar_format="{desc}: {n}/{total} |{bar}| {elapsed}")
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, daemon=True)
+        self._name, self._since = "", time.perf_counter()
+        self._handler = _StageHandler(self)
 
     def __enter__(self):
         if self.bar is not None:
             self._ticker.start()
+            logging.getLogger("fxremat").addHandler(self._handler)
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         if self.bar is not None:
+            logging.getLogger("fxremat").removeHandler(self._handler)
             self._ticker.join()
             self.bar.close()
 
     def _visible(self) -> bool:
         return self.bar.format_dict["elapsed"] >= self.DELAY_S
 
+    def _describe(self, refresh: bool) -> None:
+        seconds = time.perf_counter() - self._since
+        self.bar.set_description_str(f"{self._name} {seconds:.0f}s" if seconds >= 1 else self._name,
+                                     refresh=refresh)
+
     def _tick(self):
         while not self._stop.wait(0.2):
             if self._visible():
-                self.bar.refresh()
+                self._describe(refresh=True)
 
     def stage(self, name: str) -> None:
+        self._name, self._since = name, time.perf_counter()
         if self.bar is not None:
-            self.bar.set_description_str(name, refresh=self._visible())
+            self._describe(refresh=self._visible())
 
     def advance(self) -> None:
         if self.bar is not None:
             self.bar.update(1)
+
+
+class _StageHandler(logging.Handler):
+    """Turns the library's stage records (``fxremat_stage``) into :meth:`_Progress.stage` calls;
+    prints nothing itself."""
+
+    def __init__(self, progress: _Progress):
+        super().__init__(level=logging.INFO)
+        self.progress = progress
+
+    def emit(self, record):
+        stage = getattr(record, "fxremat_stage", None)
+        if stage is not None:
+            self.progress.stage(record.getMessage().removeprefix("fxremat: ").removesuffix(" ..."))
+        elif getattr(record, "fxremat_stage_done", None) is not None:
+            self.progress.advance()
 
 
 def _profiled(args, model, inputs, progress: _Progress):
@@ -237,7 +293,7 @@ def _profiled(args, model, inputs, progress: _Progress):
     progress.stage("tracing")
     gm = trace(model)
     progress.advance()
-    progress.stage("profiling")
+    progress.stage(f"profiling {sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes")
     costs = profile(gm, inputs, cost_model=_cost_model(args))
     progress.advance()
     return gm, costs, build_graph(gm, costs)
@@ -253,6 +309,9 @@ def _shapes(args) -> str:
 
 def cmd_plan(args) -> int:
     """Plan MODEL and print the plan; write code, JSON and a timeline plot on request."""
+    _check_outputs(args, "code", "json", "plot")
+    if args.plot:
+        _need_matplotlib()
     with _fake_mode(args), _Progress(4, quiet=args.quiet) as progress:
         model, inputs = _build(args)
         gm, costs, graph = _profiled(args, model, inputs, progress)
@@ -278,6 +337,13 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _need_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError("--plot needs matplotlib; pip install 'fxremat[plot]' (or matplotlib)") from None
+
+
 def _write(path, text, what: str) -> None:
     if path:
         with open(path, "w") as f:
@@ -300,11 +366,9 @@ def _tradeoff_table(points) -> str:
 
 def cmd_tradeoff(args) -> int:
     """Print (and plot, and write as CSV) the memory/overhead Pareto curve."""
+    _check_outputs(args, "csv", "plot")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UsageError("--plot needs matplotlib; pip install 'fxremat[plot]' (or matplotlib)") from None
+        _need_matplotlib()
     with _fake_mode(args), _Progress(2 + args.points, quiet=args.quiet) as progress:
         model, inputs = _build(args)
         gm, costs, graph = _profiled(args, model, inputs, progress)
@@ -331,10 +395,12 @@ def _train_step(model, inputs) -> None:
     default_loss(model(*inputs)).backward()
 
 
-def _measure(model, inputs, steps: int) -> tuple[int, float]:
+def _measure(model, inputs, steps: int, progress=None, what: str = "") -> tuple[int, float]:
     """Max measured peak and median seconds over ``steps`` steps after one warm-up step."""
     peaks, seconds = [], []
     for step in range(steps + 1):
+        if progress is not None:
+            progress.stage(f"{what} step {step + 1}/{steps + 1}")
         if inputs[0].is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -344,23 +410,44 @@ def _measure(model, inputs, steps: int) -> tuple[int, float]:
         if step:
             peaks.append(peak)
             seconds.append(time.perf_counter() - start)
+        if progress is not None:
+            progress.advance()
     return max(peaks), statistics.median(seconds)
+
+
+@contextlib.contextmanager
+def _library_info(progress: _Progress):
+    """Let the library's INFO stage records reach the bar's handler (the command line keeps the
+    ``fxremat`` logger at WARNING otherwise; the records are not printed)."""
+    logger = logging.getLogger("fxremat")
+    level, propagate = logger.level, logger.propagate
+    if progress.bar is not None:
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def cmd_bench(args) -> int:
     """Train plain and compiled copies; print measured peaks and step times."""
     from .api import compile as fx_compile
 
-    model, inputs = _build(args)
-    plain = copy.deepcopy(model)
-    compiled = fx_compile(model, args.budget, example_inputs=inputs, strategy=args.strategy,
-                          cost_model=args.cost_model or "measured", exact_cap=args.exact_cap)
-    for m in (plain, compiled):
-        for p in m.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-    plain_peak, plain_s = _measure(plain, inputs, args.steps)
-    peak, seconds = _measure(compiled, inputs, args.steps)
+    # trace, profile, solve, emit (stages from the library's log records), then the steps
+    with _Progress(4 + 2 * (args.steps + 1), quiet=args.quiet) as progress:
+        model, inputs = _build(args)
+        plain = copy.deepcopy(model)
+        with _library_info(progress):
+            compiled = fx_compile(model, args.budget, example_inputs=inputs, strategy=args.strategy,
+                                  cost_model=args.cost_model or "measured", exact_cap=args.exact_cap)
+        for m in (plain, compiled):
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        plain_peak, plain_s = _measure(plain, inputs, args.steps, progress, "plain")
+        peak, seconds = _measure(compiled, inputs, args.steps, progress, "compiled")
     the_plan = compiled.plan
     print(f"fxremat bench {args.model} on {_shapes(args)} ({args.device}), {args.steps} steps\n")
     print(f"  {'':10} {'measured peak':>14} {'predicted peak':>15} {'step time':>11}")
@@ -384,8 +471,8 @@ def _common(sub: argparse.ArgumentParser, *, budget: bool, fake: bool) -> None:
                      help="one positional input, e.g. 2x3x96x96 or 4x128:int64; repeat for more inputs")
     if budget:
         sub.add_argument("--budget", type=budget_arg, required=True,
-                         help="fraction of the peak without recomputation (0.5), bytes with a unit "
-                              "(800MiB, 2GiB) or 'min'")
+                         help="fraction of the peak without recomputation (0.5 or 50%%), bytes with a "
+                              "unit (800MiB, 2GB) or 'min'")
     sub.add_argument("--strategy", choices=STRATEGIES, default="auto")
     sub.add_argument("--cost-model", choices=COST_MODELS, default=None,
                      help="default: measured (flops with --fake)")

@@ -1,6 +1,6 @@
 """Exceptions raised by fxremat. Each message names the API, the value received and the fix."""
 
-__all__ = ["InfeasibleBudgetError", "TraceError", "format_bytes"]
+__all__ = ["InfeasibleBudgetError", "PlanBudgetError", "TraceError", "format_bytes"]
 
 
 def format_bytes(n: float) -> str:
@@ -30,6 +30,28 @@ class InfeasibleBudgetError(ValueError):
             f"fxremat: budget {budget_bytes} bytes ({_mib_gib(budget_bytes)}) is below the "
             f"smallest feasible peak {min_feasible_bytes} bytes ({_mib_gib(min_feasible_bytes)}) "
             "for this model and input; raise the budget or use budget='min'"
+        )
+
+
+class PlanBudgetError(ValueError):
+    """A saved plan (``plan=``) does not fit the budget given with it.
+
+    ``budget_bytes`` is the budget resolved on the current model (``None`` for ``"min"``),
+    ``plan_peak_bytes`` the plan's peak simulated again on the current graph.
+    """
+
+    def __init__(self, origin: str, budget_bytes: int | None, plan_peak_bytes: int, saved_budget_bytes: int):
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.plan_peak_bytes = int(plan_peak_bytes)
+        if budget_bytes is None:
+            problem = ("budget='min' asks for the least peak, which only planning finds, but this plan was made "
+                       f"for a budget of {saved_budget_bytes} bytes ({_mib_gib(saved_budget_bytes)})")
+        else:
+            problem = (f"its peak on this model, {plan_peak_bytes} bytes ({_mib_gib(plan_peak_bytes)}), is above "
+                       f"the budget {budget_bytes} bytes ({_mib_gib(budget_bytes)})")
+        super().__init__(
+            f"fxremat: {origin} does not fit the budget given with it: {problem}; pass a budget of at least "
+            f"{plan_peak_bytes} bytes with this plan, or plan again at this budget without plan="
         )
 
 

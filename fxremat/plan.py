@@ -145,11 +145,13 @@ class Plan:
 
         return plot_timeline(self, path, measured=measured)
 
-    def save(self, path) -> None:
-        """Write the plan as JSON, keyed by ``graph_key``; read it with :func:`fxremat.load_plan`."""
+    def save(self, path, *, sources: bool = False) -> None:
+        """Write the plan as JSON, keyed by ``graph_key``, atomically; read it with
+        :func:`fxremat.load_plan`. Source files and lines of ``nodes`` are written only with
+        ``sources=True`` (they hold this machine's absolute paths)."""
         from .views import save_plan
 
-        save_plan(self, path)
+        save_plan(self, path, sources=sources)
 
     def __str__(self) -> str:
         return self.summary()

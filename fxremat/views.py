@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +32,12 @@ from .budget import Budget
 from .errors import format_bytes
 from .graph import CostGraph
 from .measure import LiveStorageTracker
-from .passes.profile import CALL_OPS, GraphCosts
+from .passes.profile import CALL_OPS, COST_MODELS, GraphCosts
 from .plan import NodeInfo, Plan, Segment, Timeline
-from .planner import DEFAULT_EXACT_CAP, choose
+from .planner import DEFAULT_EXACT_CAP, STRATEGIES, choose
 from .simulate import Schedule, simulate
 
-__all__ = ["graph_key", "check_plan", "PlanMismatchError", "node_infos", "predicted_timeline",
+__all__ = ["graph_key", "check_plan", "validate_plan", "plan_schedule", "PlanMismatchError", "node_infos", "predicted_timeline",
            "measure_timeline", "default_loss", "explain", "save_plan", "load_plan", "TradeoffPoint",
            "tradeoff", "write_csv", "plot_timeline", "plot_tradeoff", "PLAN_FORMAT"]
 
@@ -287,53 +289,222 @@ def explain(plan: Plan) -> str:
 # save / load
 # --------------------------------------------------------------------------------------------
 
-def save_plan(plan: Plan, path) -> None:
-    """Write ``plan`` as JSON (see :func:`load_plan`)."""
+def save_plan(plan: Plan, path, *, sources: bool = False) -> None:
+    """Write ``plan`` as JSON (see :func:`load_plan`), atomically: a temporary file in the same
+    folder replaces ``path`` only once complete. Source files and lines (``NodeInfo.source``,
+    ``.code``: absolute paths of this machine) are left out unless ``sources=True``."""
     if not plan.graph_key:
         raise ValueError(
             "fxremat: Plan.save needs a plan with a graph_key (the hash of the graph and input it "
             "was made for); plans from fxremat.plan/fxremat.compile and the command line have one"
         )
-    with open(path, "w") as f:
-        json.dump({"format": PLAN_FORMAT, "graph_key": plan.graph_key, "plan": dataclasses.asdict(plan)}, f)
+    if not sources:
+        plan = dataclasses.replace(plan, nodes=tuple(dataclasses.replace(n, source="", code="") for n in plan.nodes))
+    text = json.dumps({"format": PLAN_FORMAT, "graph_key": plan.graph_key, "plan": dataclasses.asdict(plan)})
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".fxremat-plan-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _build(cls, data: dict, path):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - known
+class _Invalid(ValueError):
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field}: {problem}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _nonneg_int(v) -> bool:
+    return _is_int(v) and v >= 0
+
+
+def _nonneg_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+
+
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _str_list(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, (list, tuple)) and all(_nonneg_int(x) for x in v)
+
+
+def _one_of(values):
+    check = lambda v: isinstance(v, str) and v in values  # noqa: E731
+    check.expected = f"one of {sorted(values)}"
+    return check
+
+
+_EXPECTED = {_nonneg_int: "an int >= 0", _nonneg_number: "a finite number >= 0", _is_bool: "true or false",
+             _is_str: "a string", _str_list: "a list of strings", _int_list: "a list of ints >= 0"}
+_SEGMENT_FIELDS = {"nodes": _str_list, "recomputed": _is_bool, "kept": _str_list, "kept_bytes": _nonneg_int,
+                   "recompute_cost": _nonneg_number}
+_NODE_FIELDS = {"name": _is_str, "out_bytes": _nonneg_int, "root": _is_str, "module": _is_str, "source": _is_str,
+                "code": _is_str, "mutated_buffers": _str_list}
+_PLAN_FIELDS = {
+    "strategy": _one_of(set(STRATEGIES) - {"auto"}), "objective": _one_of({"time-centric", "memory-centric"}),
+    "budget_bytes": _nonneg_int, "baseline_peak_bytes": _nonneg_int, "predicted_peak_bytes": _nonneg_int,
+    "predicted_overhead": _nonneg_number, "solve_seconds": _nonneg_number, "cost_model": _one_of(set(COST_MODELS)),
+    "num_nodes": _nonneg_int, "num_lower_sets": _nonneg_int, "timeline_bytes": _int_list,
+    "backward_start": _nonneg_int, "graph_key": _is_str, "notes": _str_list,
+}
+
+
+def _check_record(data, cls, checks: dict, where: str) -> None:
+    if not isinstance(data, dict):
+        raise _Invalid(where, f"must be an object with the fields of {cls.__name__}, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
     if unknown:
-        raise ValueError(f"fxremat.load_plan: {path} has unknown {cls.__name__} fields {sorted(unknown)}; "
-                         "was it written by a newer fxremat?")
-    return cls(**{k: _tuples(v) for k, v in data.items()})
+        raise _Invalid(where, f"unknown {cls.__name__} fields {sorted(unknown)}; was it written by a newer fxremat?")
+    for name, f in fields.items():
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise _Invalid(f"{where}.{name}", "is missing")
+            continue
+        check = checks.get(name)
+        if check is not None and not check(data[name]):
+            expected = getattr(check, "expected", None) or _EXPECTED[check]
+            raise _Invalid(f"{where}.{name}", f"must be {expected}, got {data[name]!r}")
 
 
-def _build_segment(data: dict, path) -> Segment:
-    data = dict(data)
-    data["inner"] = tuple(_build_segment(s, path) for s in data.get("inner", ()))
-    return _build(Segment, data, path)
+def _check_segments(segments, where: str) -> None:
+    if not isinstance(segments, (list, tuple)) or not segments:
+        raise _Invalid(where, f"must be a non-empty list of segments, got {segments!r}")
+    for i, seg in enumerate(segments):
+        _check_record(seg, Segment, _SEGMENT_FIELDS, f"{where}[{i}]")
+        if not seg["nodes"]:
+            raise _Invalid(f"{where}[{i}].nodes", "must name at least one node")
+        inner = seg.get("inner", ())
+        if inner:
+            if not seg["recomputed"]:
+                raise _Invalid(f"{where}[{i}].inner", "nested segments need recomputed: true")
+            _check_segments(inner, f"{where}[{i}].inner")
+
+
+def _check_plan_dict(data) -> None:
+    _check_record(data, Plan, _PLAN_FIELDS, "plan")
+    _check_segments(data["segments"], "plan.segments")
+    nodes = data.get("nodes", ())
+    if not isinstance(nodes, (list, tuple)):
+        raise _Invalid("plan.nodes", f"must be a list, got {type(nodes).__name__}")
+    for i, node in enumerate(nodes):
+        _check_record(node, NodeInfo, _NODE_FIELDS, f"plan.nodes[{i}]")
+
+
+def validate_plan(plan: Plan, *, origin: str = "the plan") -> None:
+    """Check the type and value of every field of ``plan`` (a Plan built or edited in Python);
+    raise ``ValueError`` naming the field."""
+    try:
+        _check_plan_dict(dataclasses.asdict(plan))
+    except _Invalid as exc:
+        raise ValueError(f"fxremat: {origin}: field {exc.field} {exc.problem}; plan again with fxremat.plan "
+                         "rather than editing a Plan") from None
+
+
+def plan_schedule(plan: Plan, graph: CostGraph, *, origin: str = "the plan") -> Schedule:
+    """The :class:`~fxremat.simulate.Schedule` of ``plan``'s segments on ``graph``, checked: every
+    call node in exactly one segment, every segment after the segments its inputs come from, nested
+    segments covering their parent. Raises :class:`PlanMismatchError` naming the segment."""
+    index = {name: v for v, name in enumerate(graph.names)}
+    return _schedule_of(plan.segments, index, graph, set(index.values()), origin, "segments")
+
+
+def _schedule_of(segments, index, graph: CostGraph, expected: set, origin: str, where: str) -> Schedule:
+    done, seen, parts, inner = set(), set(), [], []
+    for i, seg in enumerate(segments):
+        unknown = [n for n in seg.nodes if n not in index]
+        if unknown:
+            raise PlanMismatchError(f"fxremat: {origin}: field plan.{where}[{i}].nodes names {unknown[:3]}, not call "
+                                    "nodes of this graph; plan this model again")
+        ids = tuple(sorted(index[n] for n in seg.nodes))
+        twice = [graph.names[v] for v in ids if v in seen] or (
+            [n for n in seg.nodes if seg.nodes.count(n) > 1])
+        outside = [graph.names[v] for v in ids if v not in expected]
+        if twice or outside:
+            raise PlanMismatchError(f"fxremat: {origin}: field plan.{where}[{i}].nodes has "
+                                    f"{(twice or outside)[:3]} {'more than once' if twice else 'outside its parent'}; "
+                                    "plan this model again")
+        seen.update(ids)
+        members = set(ids)
+        late = [(graph.names[p], graph.names[v]) for v in ids for p in graph.preds[v]
+                if p in expected and p not in done and p not in members]
+        if late:
+            raise PlanMismatchError(f"fxremat: {origin}: field plan.{where}[{i}] runs {late[0][1]} before its input "
+                                    f"{late[0][0]} (in a later segment); plan this model again")
+        done |= members
+        parts.append(ids)
+        nested = _schedule_of(seg.inner, index, graph, members, origin, f"{where}[{i}].inner") if seg.inner else None
+        inner.append(nested)
+    missing = sorted(expected - seen)
+    if missing:
+        raise PlanMismatchError(f"fxremat: {origin}: field plan.{where} leaves out {len(missing)} call nodes "
+                                f"({[graph.names[v] for v in missing[:3]]}); plan this model again")
+    recomputed = tuple(seg.recomputed for seg in segments)
+    return Schedule(tuple(parts), recomputed, tuple(inner) if any(x is not None for x in inner) else ())
+
+
+def _read_json(path):
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise OSError(exc.errno, f"fxremat.load_plan: cannot read {path}: {exc.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        ends_early = exc.pos >= len(text.rstrip()) or not text.rstrip().endswith(("}", "]"))
+        truncated = " (the file ends early: truncated?)" if ends_early else ""
+        raise ValueError(f"fxremat.load_plan: {path} is not valid JSON{truncated}: {exc.msg} at line {exc.lineno} "
+                         f"column {exc.colno}; save the plan again with Plan.save") from None
 
 
 def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None, leaf_modules=()) -> Plan:
-    """Read a plan written by :meth:`Plan.save`.
+    """Read a plan written by :meth:`Plan.save`, checking the type and value of every field
+    (``ValueError`` naming the file and the field).
 
     With ``model`` and ``example_inputs`` it also checks that the plan was made for them (the
     model is traced as :func:`fxremat.compile` traces it, with ``leaf_modules``) and raises
-    :class:`PlanMismatchError` otherwise.
+    :class:`PlanMismatchError` otherwise. What the current model determines (mutated buffers,
+    kept bytes, peaks) is derived again when the plan is used (``plan=``).
     """
-    with open(path) as f:
-        data = json.load(f)
+    data = _read_json(path)
     if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"fxremat.load_plan: {path} is not an fxremat plan (format {found!r}, "
                          f"expected {PLAN_FORMAT!r}); write plans with Plan.save")
+    try:
+        _check_plan_dict(data.get("plan"))
+        if data.get("graph_key") != data["plan"]["graph_key"]:
+            raise _Invalid("graph_key", f"{data.get('graph_key')!r} differs from plan.graph_key")
+    except _Invalid as exc:
+        raise ValueError(f"fxremat.load_plan: {path}: field {exc.field} {exc.problem}; the file was edited or "
+                         "damaged: save the plan again with Plan.save") from None
     fields = dict(data["plan"])
-    fields["segments"] = tuple(_build_segment(s, path) for s in fields.get("segments", ()))
-    fields["nodes"] = tuple(_build(NodeInfo, n, path) for n in fields.get("nodes", ()))
-    plan = _build(Plan, fields, path)
+    fields["segments"] = tuple(_build_segment(s) for s in fields["segments"])
+    fields["nodes"] = tuple(NodeInfo(**{k: _tuples(v) for k, v in n.items()}) for n in fields.get("nodes", ()))
+    plan = Plan(**{k: _tuples(v) if k not in ("segments", "nodes") else v for k, v in fields.items()})
     if model is not None or example_inputs is not None:
         if model is None or example_inputs is None:
             raise TypeError("fxremat.load_plan: pass both model= and example_inputs= to check the plan, or neither")
@@ -342,6 +513,12 @@ def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
         check_plan(plan, trace(model, leaf_modules=leaf_modules), inputs, origin=f"plan {path}")
     return plan
+
+
+def _build_segment(data: dict) -> Segment:
+    data = dict(data)
+    data["inner"] = tuple(_build_segment(s) for s in data.get("inner", ()))
+    return Segment(**{k: _tuples(v) if k != "inner" else v for k, v in data.items()})
 
 
 # --------------------------------------------------------------------------------------------

@@ -178,7 +178,8 @@ def test_input_specs():
     assert cli.input_spec("2x3x96x96") == ((2, 3, 96, 96), torch.float32)
     assert cli.input_spec("4x128:int64") == ((4, 128), torch.int64)
     assert cli.budget_arg("0.5").fraction == 0.5
-    assert cli.budget_arg("2e9").bytes == 2 * 10**9
+    assert cli.budget_arg("2e9B").bytes == 2 * 10**9
+    assert cli.budget_arg("50%").fraction == 0.5 and cli.budget_arg("1").fraction == 1.0
     assert cli.budget_arg("800MiB").bytes == 800 * 2**20
     assert cli.budget_arg("min").minimum
 

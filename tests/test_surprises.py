@@ -1,0 +1,299 @@
+"""No silent surprises (issue 13, items 3, 5, 6, 8, 10): attributes reach the model, saved plans
+are checked and re-derived, options are validated at the call, edge inputs get clear errors,
+and the stages of compiling are logged."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxremat
+from fxremat.views import PlanMismatchError
+from _models import assert_same_state, loss_of, pair, train_step, with_grads
+
+X = torch.randn(2, 3, 16, 16)
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class Net(nn.Module):
+    """A chain of conv-BN blocks with a plain attribute read by forward, and a helper method."""
+
+    def __init__(self, c=8, n=6, num_classes=4):
+        super().__init__()
+        self.num_classes = num_classes
+        self.scale = 1.0
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*(Block(c) for _ in range(n)))
+        self.head = nn.Conv2d(c, num_classes, 1)
+
+    def encode(self, x):
+        return self.blocks(self.stem(x))
+
+    def forward(self, x):
+        return self.head(self.encode(x)) * self.scale
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _assert_trains_like(plain, remat, x, steps=2):
+    for step in range(steps):
+        expected, got = train_step(plain, x, seed=step), train_step(remat, x, seed=step)
+        assert torch.equal(expected, got)
+    assert_same_state(plain, remat)
+
+
+# --------------------------------------------------------------------------------------------
+# item 3: attributes and methods
+# --------------------------------------------------------------------------------------------
+
+def test_attributes_and_methods_reach_the_original_model():
+    model = _net()
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    assert remat.num_classes == 4 and remat.scale == 1.0
+    assert remat.encode.__self__ is model  # bound to the original model: runs plainly
+    assert torch.equal(remat.encode(X), model.encode(X))
+    assert "encode" in dir(remat) and "num_classes" in dir(remat)
+    assert remat.plan is not None and isinstance(remat.forward.__self__, fxremat.RematModule)  # its own names win
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        remat.no_such_thing
+    assert not hasattr(remat, "no_such_thing")
+
+
+def test_setting_an_attribute_sets_it_on_the_model_and_replans():
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    remat.scale = 3.0  # torch.fx baked 1.0 into the graph: the graph must follow
+    plain.scale = 3.0
+    assert model.scale == 3.0 and "scale" not in remat.__dict__
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+    assert remat.plan.strategy != "none"  # planned again for the new graph, still recomputing
+
+
+def test_replacing_a_submodule_reaches_the_compiled_graph():
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    head = nn.Conv2d(8, 4, 1)
+    remat.head, plain.head = head, copy.deepcopy(head)
+    assert model.head is head
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+    del remat.num_classes
+    assert not hasattr(model, "num_classes")
+
+
+# --------------------------------------------------------------------------------------------
+# item 5: saved plans are checked and re-derived
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    plan = fxremat.plan(_net(), 0.5, example_inputs=(X,), cost_model="flops")
+    assert any(s.recomputed for s in plan.segments)
+    plan.save(path)
+    return plan, path
+
+
+def _edited(path, tmp_path, edit):
+    data = json.loads(path.read_text())
+    edit(data["plan"])
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_saved_plan_is_used_as_planned(saved):
+    plan, path = saved
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), plan=fxremat.load_plan(path))
+    assert remat.plan.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert remat.plan.segments == plan.segments
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+    _, peak = fxremat.measure_peak(lambda: loss_of(remat(X)).backward())
+    assert peak <= plan.budget_bytes
+
+
+def test_emptied_mutated_buffers_are_derived_again(saved, tmp_path):
+    _, path = saved
+
+    def edit(p):
+        for node in p["nodes"]:
+            node["mutated_buffers"] = []
+
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), plan=fxremat.load_plan(_edited(path, tmp_path, edit)))
+    assert any(n.mutated_buffers for n in remat.plan.nodes)
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)  # BatchNorm updated once per step
+
+
+def test_edited_segments_report_their_own_peak_and_must_fit_the_budget(saved, tmp_path):
+    plan, path = saved
+
+    def keep_all(p):
+        for seg in p["segments"]:
+            seg["recomputed"] = False
+            seg["inner"] = []
+
+    edited = fxremat.load_plan(_edited(path, tmp_path, keep_all))
+    with pytest.raises(fxremat.PlanBudgetError) as info:
+        fxremat.compile(_net(), 0.5, example_inputs=(X,), plan=edited)
+    assert str(plan.baseline_peak_bytes) in str(info.value) and str(plan.budget_bytes) in str(info.value)
+    remat = fxremat.compile(_net(), 1.0, example_inputs=(X,), plan=edited)
+    assert remat.plan.predicted_peak_bytes == plan.baseline_peak_bytes
+
+
+def test_budget_given_with_a_plan_is_checked(saved):
+    plan, path = saved
+    with pytest.raises(fxremat.PlanBudgetError, match=f"at least {plan.predicted_peak_bytes} bytes"):
+        fxremat.plan(_net(), plan.predicted_peak_bytes - 1, example_inputs=(X,), plan=fxremat.load_plan(path))
+    with pytest.raises(fxremat.PlanBudgetError, match="budget='min'"):
+        fxremat.plan(_net(), "min", example_inputs=(X,), plan=fxremat.load_plan(path))
+    again = fxremat.plan(_net(), plan.predicted_peak_bytes, example_inputs=(X,), plan=fxremat.load_plan(path))
+    assert again.budget_bytes == plan.predicted_peak_bytes and again.predicted_peak_bytes == plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("recomputed", "no", "plan.segments[0].recomputed must be true or false, got 'no'"),
+    ("kept_bytes", -3, "plan.segments[0].kept_bytes must be an int >= 0, got -3"),
+    ("nodes", "stem", "plan.segments[0].nodes must be a list of strings"),
+])
+def test_bad_segment_fields_name_file_and_field(saved, tmp_path, field, value, needle):
+    _, path = saved
+    edited = _edited(path, tmp_path, lambda p: p["segments"][0].__setitem__(field, value))
+    with pytest.raises(ValueError) as info:
+        fxremat.load_plan(edited)
+    assert str(edited) in str(info.value) and needle in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("strategy", "fast"), ("cost_model", "time"), ("budget_bytes", "1GB"),
+                                          ("predicted_overhead", float("nan")), ("notes", "note")])
+def test_bad_plan_fields_name_the_field(saved, tmp_path, field, value):
+    _, path = saved
+    edited = _edited(path, tmp_path, lambda p: p.__setitem__(field, value))
+    with pytest.raises(ValueError, match=f"field plan.{field} must be"):
+        fxremat.load_plan(edited)
+
+
+def test_missing_and_misplaced_nodes_name_the_segment(saved, tmp_path):
+    _, path = saved
+    dropped = fxremat.load_plan(_edited(path, tmp_path, lambda p: p["segments"][-1]["nodes"].pop()))
+    with pytest.raises(PlanMismatchError, match=r"plan.segments leaves out 1 call nodes"):
+        fxremat.compile(_net(), 0.5, example_inputs=(X,), plan=dropped)
+
+    def swap(p):
+        p["segments"][0], p["segments"][1] = p["segments"][1], p["segments"][0]
+
+    with pytest.raises(PlanMismatchError, match=r"plan.segments\[0\] runs .* before its input"):
+        fxremat.compile(_net(), 0.5, example_inputs=(X,), plan=fxremat.load_plan(_edited(path, tmp_path, swap)))
+
+
+def test_truncated_file_names_the_file(saved, tmp_path):
+    _, path = saved
+    cut = tmp_path / "cut.json"
+    cut.write_text(path.read_text()[:200])
+    with pytest.raises(ValueError, match=r"cut\.json is not valid JSON \(the file ends early: truncated\?\)"):
+        fxremat.load_plan(cut)
+
+
+def test_plan_edited_in_python_is_checked_at_the_call(saved):
+    plan, _ = saved
+    bad = dataclasses.replace(plan, segments=(dataclasses.replace(plan.segments[0], recomputed="no"),
+                                              *plan.segments[1:]))
+    with pytest.raises(ValueError, match=r"fxremat.compile: field plan.segments\[0\].recomputed"):
+        fxremat.compile(_net(), 0.5, plan=bad)
+
+
+# --------------------------------------------------------------------------------------------
+# item 6: options validated at the call (no example_inputs: nothing runs before the check)
+# --------------------------------------------------------------------------------------------
+
+BAD_OPTIONS = {
+    "strategy": ({"strategy": "fast"}, ValueError, "strategy must be one of .* got 'fast'"),
+    "cost_model": ({"cost_model": "time"}, ValueError, "cost_model must be one of .* got 'time'"),
+    "exact_cap negative": ({"exact_cap": -5}, ValueError, "exact_cap must be a positive int or None .* got -5"),
+    "exact_cap str": ({"exact_cap": "big"}, ValueError, "exact_cap must be a positive int or None .* got 'big'"),
+    "profile_repeats": ({"profile_repeats": 0}, ValueError, "profile_repeats must be a positive int, got 0"),
+    "leaf str": ({"leaf_modules": "Block"}, TypeError, r"got 'Block' alone; write leaf_modules=\('Block',\)"),
+    "leaf class alone": ({"leaf_modules": Block}, TypeError, r"write leaf_modules=\(Block,\)"),
+    "leaf class name": ({"leaf_modules": ("Block",)}, ValueError, "'Block' is not a submodule .* pass the class"),
+    "leaf unknown": ({"leaf_modules": ("blocks.9",)}, ValueError, r"'blocks.9' is not a submodule of Net; close"),
+    "leaf other": ({"leaf_modules": (3,)}, TypeError, "got int 3"),
+}
+
+
+@pytest.mark.parametrize("api", ["compile", "plan"])
+@pytest.mark.parametrize("kwargs, exc, match", BAD_OPTIONS.values(), ids=list(BAD_OPTIONS))
+def test_bad_options_fail_at_the_call(api, kwargs, exc, match, monkeypatch):
+    import fxremat.api
+
+    monkeypatch.setattr(fxremat.api, "trace", lambda *a, **k: pytest.fail("traced before validating"))
+    extra = {"example_inputs": (X,)} if api == "plan" else {}
+    with pytest.raises(exc, match=f"fxremat.{api}: .*{match}"):
+        getattr(fxremat, api)(_net(), 0.5, **extra, **kwargs)
+
+
+def test_qualified_leaf_names_are_accepted():
+    plan = fxremat.plan(_net(), 0.5, example_inputs=(X,), cost_model="flops", leaf_modules=("blocks.0", Block))
+    assert "blocks_0" in {n.name for n in plan.nodes}
+
+
+# --------------------------------------------------------------------------------------------
+# item 8: edges
+# --------------------------------------------------------------------------------------------
+
+def test_empty_batch_plans_and_trains_like_eager():
+    empty = torch.randn(0, 3, 16, 16)
+    plan = fxremat.plan(_net(), 1.0, example_inputs=(empty,), cost_model="flops")
+    assert plan.predicted_overhead == 0.0
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, "min", example_inputs=(empty,), cost_model="flops")
+    _assert_trains_like(with_grads(plain), with_grads(remat), empty, steps=1)
+
+
+def test_meta_input_is_refused_at_the_call():
+    with pytest.raises(ValueError, match="fxremat.compile: input 0 .* on the meta device.*FakeTensorMode"):
+        fxremat.compile(_net(), 0.5, example_inputs=(X.to("meta"),))
+    remat = fxremat.compile(_net(), 0.5)  # planned on the first training step: same check there
+    with pytest.raises(ValueError, match="input 0 .* on the meta device"):
+        remat(X.to("meta"))
+
+
+def test_meta_model_is_refused_at_the_call():
+    with pytest.raises(ValueError, match="parameters or buffers are on the meta device.*to_empty"):
+        fxremat.compile(_net().to("meta"), 0.5, example_inputs=(X,))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_input_on_another_device_is_refused():
+    with pytest.raises(ValueError, match=r"input 0 .* is on cpu but the model's parameters are on cuda"):
+        fxremat.compile(_net().cuda(), 0.5, example_inputs=(X,))
+
+
+# --------------------------------------------------------------------------------------------
+# item 10: stages are logged
+# --------------------------------------------------------------------------------------------
+
+def test_compile_logs_its_stages_with_times(caplog):
+    with caplog.at_level(logging.INFO, logger="fxremat"):
+        fxremat.compile(_net(), 0.5, example_inputs=(X,), cost_model="flops")
+    stages = [r.fxremat_stage for r in caplog.records if hasattr(r, "fxremat_stage")]
+    assert stages == ["tracing", "profiling", "solving", "emitting"]
+    done = [r.getMessage() for r in caplog.records if hasattr(r, "fxremat_stage_done")]
+    assert len(done) == 4 and all(" done in " in m and m.endswith("s") for m in done)
