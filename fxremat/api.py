@@ -494,14 +494,24 @@ class RematModule(torch.nn.Module):
     def _owns(self, name: str) -> bool:
         return "_remat" not in self.__dict__ or name == "_remat" or name in self.__dict__ or hasattr(type(self), name)
 
+    def _registered(self, name: str) -> bool:
+        """A parameter or buffer: the registries are the model's own (shared), and replacing one
+        changes no graph (``get_attr`` copies are rebound before each step; FSDP2 does this)."""
+        return "_remat" in self.__dict__ and (name in self._parameters or name in self._buffers)
+
     def __setattr__(self, name: str, value) -> None:
-        if self._owns(name):
+        if self._owns(name) or self._registered(name):
             super().__setattr__(name, value)
             if name == "training" and "_remat" in self.__dict__:
                 self._remat.model.training = value
             return
-        setattr(self._remat.model, name, value)
-        _retrace_after_change(self, f"setting {name!r}")
+        model = self._remat.model
+        existed = hasattr(model, name)
+        setattr(model, name, value)
+        # A name the model did not have cannot be in the traced graph (FSDP2's flags, say); one it
+        # had may be (torch.fx bakes Python values such as ``self.scale = 2.0`` into the code).
+        if existed:
+            _retrace_after_change(self, f"setting {name!r}")
 
     def __delattr__(self, name: str) -> None:
         if self._owns(name):

@@ -120,7 +120,9 @@ def test_saved_plan_is_reused_without_solving_and_checked(tmp_path, monkeypatch)
 
     monkeypatch.setattr(fxremat.api, "_plan_traced", no_solving)
     compiled = fxremat.compile(model, 0.5, example_inputs=(x,), plan=loaded)
-    assert compiled.plan is loaded
+    # re-derived from the current graph (mutated buffers, peaks), but the same decision
+    assert compiled.plan.segments == loaded.segments
+    assert compiled.plan.predicted_peak_bytes == loaded.predicted_peak_bytes
     assert [s.nodes for s in compiled.plan.segments if s.recomputed]
     train_step(plain, x), train_step(compiled, x)
     assert_same_state(plain, compiled)

@@ -98,6 +98,29 @@ def test_replacing_a_submodule_reaches_the_compiled_graph():
     assert not hasattr(model, "num_classes")
 
 
+class GainNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((1, 4, 1, 1), 1.5))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
+def test_replacing_a_parameter_or_adding_a_flag_keeps_the_graph(monkeypatch):
+    """FSDP2 swaps a compiled module's own parameters and sets new flags on it: no re-trace (the
+    graph and plans stay), and training follows the new parameter (get_attr copies are rebound)."""
+    torch.manual_seed(0)
+    plain, model = pair(GainNet())
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    monkeypatch.setattr(fxremat.api, "trace", lambda *a, **k: pytest.fail("re-traced"))
+    remat.gain = nn.Parameter(torch.full((1, 4, 1, 1), 0.5))
+    plain.gain = nn.Parameter(torch.full((1, 4, 1, 1), 0.5))
+    remat._is_some_wrapper_flag = True
+    assert model._is_some_wrapper_flag and model.gain is remat.gain
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+
+
 # --------------------------------------------------------------------------------------------
 # item 5: saved plans are checked and re-derived
 # --------------------------------------------------------------------------------------------
