@@ -51,7 +51,7 @@ def test_forward_hook_removed_after_compiling_no_longer_runs():
     torch.manual_seed(0)
     plain, model = pair(Net())
     scale = lambda m, i, o: o * 3  # noqa: E731
-    handles = [m.blocks[1][0].register_forward_hook(scale) for m in (plain, model)]
+    handles = [m.blocks[1].register_forward_hook(scale) for m in (plain, model)]
     compiled = _compiled(model)
     x = torch.randn(*X)
     assert torch.equal(_step(plain, x), _step(compiled, x))
