@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import LiveStorageTracker
+from .trace import is_torch_hook
 
 __all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS", "CALL_OPS"]
 
@@ -413,15 +414,6 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_gl
                       "_global_backward_pre_hooks")
 
 
-def _is_torch_hook(hook) -> bool:
-    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``): part of the module's
-    computation rather than a user's observer."""
-    fn = getattr(hook, "func", hook)  # functools.partial
-    fn = getattr(fn, "__func__", fn)  # bound methods
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    return module == "torch" or module.startswith("torch.")
-
-
 @contextlib.contextmanager
 def user_hooks_disabled(root: torch.nn.Module):
     """Remove the user hooks of every module of ``root`` and the global module hooks for the
@@ -430,7 +422,7 @@ def user_hooks_disabled(root: torch.nn.Module):
     dicts += [getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS]
     removed = []
     for hooks in dicts:
-        users = {k: h for k, h in hooks.items() if not _is_torch_hook(h)}
+        users = {k: h for k, h in hooks.items() if not is_torch_hook(h)}
         if users:
             removed.append((hooks, dict(hooks), users))
             for k in users:

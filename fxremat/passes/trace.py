@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from ..errors import TraceError
 
-__all__ = ["trace", "has_hooks", "hooked_modules", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -149,11 +149,30 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS))
 
 
+def is_torch_hook(hook) -> bool:
+    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``): part of the module's
+    computation rather than a user's observer."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # bound methods
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return module == "torch" or module.startswith("torch.")
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
 def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
     """Qualified names of the submodules of ``model`` (the root excluded: its hooks run around the
-    whole forward and never inside the trace) whose calls run hooks (:func:`has_hooks`). The
-    tracer keeps exactly these as leaves, so a different set means another graph."""
-    return frozenset(name for name, m in model.named_modules() if name and has_hooks(m))
+    whole forward and never inside the trace) with user hooks (not defined inside torch), and
+    whether a global user hook is set: the fingerprint compared at each training step. Hooks
+    torch adds after compiling (FSDP2's ``fully_shard`` of a compiled module's leaves) are part
+    of the computation and change nothing; a user hook anywhere is seen and leads to a retrace."""
+    def user(hooks) -> bool:
+        return any(not is_torch_hook(h) for h in hooks.values())
+    names = frozenset(name for name, m in model.named_modules()
+                      if name and any(user(getattr(m, d)) for d in _MODULE_HOOKS))
+    return names | ({"<global>"} if any(user(getattr(torch.nn.modules.module, d)) for d in _GLOBAL_HOOKS)
+                    else frozenset())
 
 
 def _split_leaves(leaf_modules) -> tuple[tuple, frozenset]:
