@@ -16,7 +16,8 @@ import inspect
 import logging
 import sys
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -27,7 +28,7 @@ from .errors import PlanBudgetError
 from .graph import CostGraph, build_graph
 from .passes.profile import COST_MODELS, GraphCosts, profile
 from .passes.rewrite import rewrite
-from .passes.trace import trace
+from .passes.trace import hooked_modules, trace
 from .plan import Plan, Segment
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
@@ -324,10 +325,11 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
     leaf_modules = _check_leaf_modules(model, leaf_modules, "plan")
     config = _config(budget, strategy, cost_model, options, api="plan", leaf_modules=leaf_modules)
     inputs = _as_tuple(example_inputs)
-    gm = _traced(model, leaf_modules)
-    if config.plan is not None:
-        return _saved_plan(gm, inputs, config, "the plan passed to fxremat.plan")
-    return _plan_traced(gm, inputs, config)[0]
+    with _training_mode(model):  # plan what is trained, also for a model in eval()
+        gm = _traced(model, leaf_modules)
+        if config.plan is not None:
+            return _saved_plan(gm, inputs, config, "the plan passed to fxremat.plan")
+        return _plan_traced(gm, inputs, config)[0]
 
 
 def _traced(model: torch.nn.Module, leaf_modules) -> fx.GraphModule:
@@ -358,7 +360,9 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     _check_unwrapped(model, "compile")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = _config(budget, strategy, cost_model, options, leaf_modules=leaf_modules)
-    remat = RematModule(model, _traced(model, leaf_modules), config)
+    with _training_mode(model):
+        traced = _traced(model, leaf_modules)
+    remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
     if example_inputs is not None:
         remat._prepare(_as_tuple(example_inputs))
     return remat
@@ -385,17 +389,196 @@ def _signature(inputs: tuple) -> tuple:
     return tuple(key)
 
 
-class _State:
-    """RematModule's own state, kept out of nn.Module registration (so out of state_dict)."""
+# --------------------------------------------------------------------------------------------
+# Modes and hooks: plan what is trained, call hooks as eager PyTorch does
+# --------------------------------------------------------------------------------------------
 
-    def __init__(self, model, traced, config):
+@contextlib.contextmanager
+def _training_mode(model: torch.nn.Module):
+    """Put ``model`` in training mode for the block when it is in eval mode (what is traced and
+    profiled is the graph that trains: dropout on, BatchNorm on batch statistics, ``if
+    self.training:`` branches); every module's own flag comes back after it. A model already in
+    training mode is left as it is (a submodule the user froze with ``.eval()`` stays so)."""
+    if model.training:
+        yield
+        return
+    flags = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _call_with_hooks(model: torch.nn.Module, run, args, kwargs):
+    """``model(*args, **kwargs)`` with ``run`` in place of ``model.forward``: the hooks registered on
+    the model itself run around fxremat's emitted forward, as they do around the plain one."""
+    own = model.__dict__.get("forward")
+    model.forward = run
+    try:
+        return model(*args, **kwargs)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+def _root_has_hooks(model: torch.nn.Module) -> bool:
+    return bool(model._forward_hooks or model._forward_pre_hooks or model._backward_hooks
+                or model._backward_pre_hooks)
+
+
+# --------------------------------------------------------------------------------------------
+# Other sizes of a planned graph: reuse its segmentation, re-check the peak by simulation
+# --------------------------------------------------------------------------------------------
+
+# Input signatures remembered per kept plan (emitted module): a signature costs a Plan (no tensors).
+_SIGNATURES_PER_PLAN = 8
+
+
+def _layout(signature: tuple) -> tuple:
+    """``signature`` (:func:`_signature`) with every tensor's shape replaced by its number of
+    dimensions: inputs of one layout run one traced graph whatever their sizes, so one
+    segmentation serves them all."""
+    return tuple((len(e[0]),) + e[1:] if isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], tuple)
+                 and isinstance(e[1], torch.dtype) else e for e in signature)
+
+
+def _segmentation(segments) -> tuple:
+    """What identifies an emitted module: the nodes of each segment, whether it is recomputed, and
+    its nested segments (not the bytes, which depend on the input sizes)."""
+    return tuple((s.nodes, s.recomputed, _segmentation(s.inner)) for s in segments)
+
+
+def _schedule_of(graph: CostGraph, segments) -> Schedule:
+    """The :class:`~fxremat.simulate.Schedule` of plan segments over ``graph``'s node indices."""
+    index = {name: v for v, name in enumerate(graph.names)}
+    inner = tuple(_schedule_of(graph, s.inner) if s.inner else None for s in segments)
+    return Schedule(tuple(tuple(index[n] for n in s.nodes) for s in segments),
+                    tuple(s.recomputed for s in segments), inner if any(x is not None for x in inner) else ())
+
+
+def _sized_costs(timed: GraphCosts, sized: GraphCosts) -> GraphCosts:
+    """Bytes of ``sized`` (profiled at the new sizes without timing) with the time costs of
+    ``timed`` (the profile of the first sizes planned for this layout)."""
+    by_name = {c.name: c for c in timed.nodes}
+    nodes = tuple(replace(c, fwd_cost=by_name[c.name].fwd_cost, bwd_cost=by_name[c.name].bwd_cost,
+                          flops=by_name[c.name].flops) for c in sized.nodes)
+    return replace(timed, nodes=nodes)
+
+
+_REUSED = ("segmentation reused from a plan of this graph for other input sizes; its peak was "
+           "checked by simulation on bytes profiled for these sizes (time costs from the first sizes)")
+
+
+def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: GraphCosts, kept) -> Plan:
+    """The plan for new sizes of a planned layout: the fastest of the ``kept`` segmentations
+    (plan segments) whose simulated peak fits the budget at these sizes; if none fits, or for
+    ``budget="min"``, the solvers run again on these bytes (no timing, no measured profiling)."""
+    costs = _sized_costs(timed, profile(gm, inputs, cost_model="uniform", repeats=1))
+    graph = build_graph(gm, costs)
+    baseline = simulate(graph, Schedule((tuple(range(graph.n)),), (False,)))
+    target = config.budget.resolve(baseline)
+    best = None
+    for plan_ in kept if target is not None else ():
+        schedule = _schedule_of(graph, plan_.segments)
+        peak = simulate(graph, schedule)
+        if peak <= target:
+            cand = (recompute_time(graph, schedule), peak, schedule, plan_)
+            best = cand if best is None or cand[:2] < best[:2] else best
+    if best is None:
+        choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
+                        rotor_slots=config.rotor_slots)
+    else:
+        rtime, peak, schedule, plan_ = best
+        choice = Choice(schedule, plan_.strategy, plan_.objective, target, baseline, peak, rtime, 0.0,
+                        plan_.num_lower_sets, tuple(n for n in plan_.notes if n != _REUSED) + (_REUSED,))
+    return _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs), key=graph_key(gm, inputs))
+
+
+def _describe_inputs(signature: tuple) -> str:
+    shapes = ["x".join(map(str, e[0])) or "scalar" for e in signature
+              if isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], tuple)]
+    return "[" + ", ".join(shapes) + "]"
+
+
+class _State:
+    """RematModule's own state, kept out of nn.Module registration (so out of state_dict).
+
+    ``cache``: input signature -> (plan, emitted module, attribute bindings), least recently used
+    first out beyond ``_SIGNATURES_PER_PLAN * max_plans``; ``emitted``: (layout, segmentation) ->
+    (emitted module, bindings), at most ``max_plans``, shared by the signatures of one layout
+    whose sizes the segmentation fits; ``timed``: layout -> the measured profile of its first
+    sizes (time costs for other sizes); ``hooks``: the submodules with hooks when traced.
+    """
+
+    def __init__(self, model, traced, config, leaf_modules=()):
         self.model = model
         self.traced = traced
         self.config = config
+        self.leaf_modules = tuple(leaf_modules)
+        self.hooks = hooked_modules(model)
         self.signature = inspect.signature(model.forward)
         self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.emitted: collections.OrderedDict = collections.OrderedDict()
+        self.timed: collections.OrderedDict = collections.OrderedDict()
+        self.planned: set = set()  # hashes of every signature planned, to see planning repeat
+        self.warned = False
         self.last = None
         self.traced_bindings = attribute_bindings(traced, model)
+
+    def retrace(self, traced: fx.GraphModule | None = None) -> None:
+        """Trace again (or take ``traced``, a new trace) and forget every plan: the submodules with
+        hooks or the traced code changed."""
+        if traced is None:
+            with _training_mode(self.model):
+                traced = trace(self.model, leaf_modules=self.leaf_modules)
+        self.traced = traced
+        self.hooks = hooked_modules(self.model)
+        self.traced_bindings = attribute_bindings(self.traced, self.model)
+        for store in (self.cache, self.emitted, self.timed, self.planned):
+            store.clear()
+        self.last = None
+
+    def plan_for(self, key: tuple, inputs: tuple):
+        """Plan a new input signature: ``(plan, emitted module, bindings)``."""
+        if hash(key) in self.planned and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"fxremat.RematModule: planning again for inputs {_describe_inputs(key)} of "
+                f"{type(self.model).__name__}, planned before and evicted: there are more distinct input "
+                f"signatures than the cache keeps ({self.config.max_plans} plans, max_plans="
+                f"{self.config.max_plans}, each for up to {_SIGNATURES_PER_PLAN} input shapes), so steps "
+                "keep planning. Raise max_plans= in fxremat.compile, or pad or bucket the inputs to fewer "
+                "shapes. (Shown once.)", stacklevel=4)
+        self.planned.add(hash(key))
+        layout = _layout(key)
+        if self.config.plan is not None:  # a saved plan: checked and re-derived, no solving
+            the_plan = _saved_plan(self.traced, inputs, self.config, "the plan passed to fxremat.compile")
+        elif layout in self.timed:
+            kept = [entry[0] for (lay, _), entry in self.emitted.items() if lay == layout]
+            the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept)
+            self.timed.move_to_end(layout)
+        else:
+            the_plan, self.timed[layout] = _plan_traced(self.traced, inputs, self.config)
+            while len(self.timed) > self.config.max_plans:
+                self.timed.popitem(last=False)
+        return (the_plan, *self._emitted(layout, the_plan))
+
+    def _emitted(self, layout: tuple, the_plan: Plan):
+        seg = (layout, _segmentation(the_plan.segments))
+        entry = self.emitted.get(seg)
+        if entry is None:
+            gm = _emit(self.traced, the_plan)
+            entry = self.emitted[seg] = (the_plan, gm, attribute_bindings(gm, self.model))
+            while len(self.emitted) > self.config.max_plans:
+                _, (_, old, _) = self.emitted.popitem(last=False)
+                for k in [k for k, e in self.cache.items() if e[1] is old]:
+                    del self.cache[k]
+        self.emitted.move_to_end(seg)
+        return entry[1:]
 
     def __deepcopy__(self, memo):
         import copy
@@ -405,7 +588,8 @@ class _State:
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         # GraphModule.__deepcopy__ keeps only module state and .meta: carry over each segment's
         # mutated buffers, without which a recomputation updates BatchNorm statistics again.
-        for entry, copied in zip(self.cache.values(), new.cache.values()):
+        for entry, copied in zip([*self.cache.values(), *self.emitted.values()],
+                                 [*new.cache.values(), *new.emitted.values()]):
             for name, seg in entry[1].named_modules():
                 if hasattr(seg, MUTATED_BUFFERS_ATTR):
                     setattr(copied[1].get_submodule(name), MUTATED_BUFFERS_ATTR, getattr(seg, MUTATED_BUFFERS_ATTR))
@@ -414,7 +598,8 @@ class _State:
     def __getstate__(self):
         # Pickling a GraphModule re-traces its code, which would inline torch.utils.checkpoint
         # and silently drop the recomputation: keep no emitted modules, re-plan after loading.
-        return {**self.__dict__, "cache": collections.OrderedDict(), "last": None}
+        return {**self.__dict__, "cache": collections.OrderedDict(), "emitted": collections.OrderedDict(),
+                "timed": collections.OrderedDict(), "planned": set(), "last": None}
 
 
 def _called_modules(gm: fx.GraphModule) -> dict:
@@ -427,15 +612,13 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     ``self.scale = 2.0`` into the graph), use the new graph and drop the plans, which are made
     again on the next training step."""
     state = remat._remat
-    new = trace(state.model, leaf_modules=state.config.leaf_modules)
+    with _training_mode(state.model):
+        new = trace(state.model, leaf_modules=state.leaf_modules)
     if new.code == state.traced.code and _called_modules(new) == _called_modules(state.traced):
         return
     log.info("fxremat: %s on %s changed the traced graph; planning again on the next training step",
              what, type(state.model).__name__)
-    state.traced = new
-    state.traced_bindings = attribute_bindings(new, state.model)
-    state.cache.clear()
-    state.last = None
+    state.retrace(new)
 
 
 class RematModule(torch.nn.Module):
@@ -447,7 +630,7 @@ class RematModule(torch.nn.Module):
     ``torch.no_grad()`` it runs the original model plainly.
     """
 
-    def __init__(self, model: torch.nn.Module, traced: fx.GraphModule, config: _Config):
+    def __init__(self, model: torch.nn.Module, traced: fx.GraphModule, config: _Config, *, leaf_modules=()):
         super().__init__()
         self._check_not_sharded(model)
         # Share the model's registries: identical state_dict keys, order and tensors.
@@ -456,7 +639,7 @@ class RematModule(torch.nn.Module):
         self._buffers = model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self.training = model.training
-        self._remat = _State(model, traced, config)
+        self._remat = _State(model, traced, config, leaf_modules)
 
     @staticmethod
     def _check_not_sharded(model: torch.nn.Module) -> None:
@@ -536,16 +719,13 @@ class RematModule(torch.nn.Module):
         if entry is None:
             start = time.perf_counter()
             rebind(state.traced_bindings)
-            if state.config.plan is not None:  # a saved plan: checked and re-derived, no solving
-                the_plan = _saved_plan(state.traced, inputs, state.config, "the plan passed to fxremat.compile")
-            else:
-                the_plan = _plan_traced(state.traced, inputs, state.config)[0]
-            gm = _emit(state.traced, the_plan)
-            entry = (the_plan, gm, attribute_bindings(gm, state.model))
-            log.info("fxremat: planned %s for a new input signature in %.2fs: %s",
-                     type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
+            with _training_mode(state.model):  # compile(example_inputs=) on a model in eval()
+                entry = state.plan_for(key, inputs)
+            log.info("fxremat: planned %s for a new input signature in %.2fs: %s%s",
+                     type(state.model).__name__, time.perf_counter() - start, entry[0].strategy,
+                     " (segmentation reused)" if _REUSED in entry[0].notes else "")
             state.cache[key] = entry
-            while len(state.cache) > state.config.max_plans:
+            while len(state.cache) > _SIGNATURES_PER_PLAN * state.config.max_plans:
                 state.cache.popitem(last=False)
         state.cache.move_to_end(key)
         state.last = entry
@@ -555,6 +735,23 @@ class RematModule(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             return self._remat.model(*args, **kwargs)
+        model = self._remat.model
+        self._check_hooks()
+        if _root_has_hooks(model):  # the model's own hooks run around the emitted forward
+            return _call_with_hooks(model, self._compiled_forward, args, kwargs)
+        return self._compiled_forward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _check_hooks(self) -> None:
+        """Trace and plan again when hooks were added to or removed from submodules since the
+        trace: a submodule with hooks must be a leaf, called by the emitted graph."""
+        state = self._remat
+        if hooked_modules(state.model) != state.hooks:
+            log.info("fxremat: the submodules of %s with hooks changed; tracing and planning again",
+                     type(state.model).__name__)
+            state.retrace()
+
+    def _compiled_forward(self, *args, **kwargs):
         inputs = self._bind(args, kwargs)
         gm = self._prepare(inputs)[1]
         return gm(*inputs)

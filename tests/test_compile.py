@@ -89,8 +89,8 @@ def test_lazy_planning_per_signature_and_bounded_cache(caplog):
             assert torch.equal(train_step(plain, x), train_step(compiled, x))
             assert compiled.plan.budget_bytes > 0
     planned = [r for r in caplog.records if "new input signature" in r.getMessage()]
-    assert len(planned) == 4  # 32 was evicted by the bound of 2 plans, so it planned again
-    assert len(compiled._remat.cache) == 2
+    assert len(planned) == 3  # 32 is remembered: sizes of one graph share plans (up to 8 per plan)
+    assert len(compiled._remat.cache) == 3 and len(compiled._remat.emitted) <= 2
     assert_same_state(plain, compiled)
 
 

@@ -23,6 +23,10 @@
   ``FakeTensorMode``; backward twice the forward) or 1 and 2 (``"uniform"``).
 Parameters, buffers and graph inputs are outside the budget and are never attributed to nodes.
 Buffers and the RNG state are restored afterwards, so profiling leaves the model untouched.
+User hooks (module and global forward/backward hooks not defined inside torch) do not run while
+profiling (:func:`user_hooks_disabled`): the nodes run many times here, and a hook's side effects
+(appending features to a list, counting calls) must happen in training steps only. Hooks defined
+by torch itself (FSDP2's all-gather, ``weight_norm``) are part of the computation and still run.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import LiveStorageTracker
+from .trace import is_torch_hook
 
-__all__ = ["NodeCost", "GraphCosts", "profile", "COST_MODELS", "CALL_OPS"]
+__all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS", "CALL_OPS"]
 
 log = logging.getLogger("fxremat")
 
@@ -404,6 +409,35 @@ def preserved_state(module: torch.nn.Module):
             torch.cuda.set_rng_state_all(cuda_rng)
 
 
+_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                      "_global_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def user_hooks_disabled(root: torch.nn.Module):
+    """Remove the user hooks of every module of ``root`` and the global module hooks for the
+    duration of the block (hooks defined inside torch stay); each comes back in its place after."""
+    dicts = [getattr(m, name) for m in root.modules() for name in _MODULE_HOOK_DICTS]
+    dicts += [getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS]
+    removed = []
+    for hooks in dicts:
+        users = {k: h for k, h in hooks.items() if not is_torch_hook(h)}
+        if users:
+            removed.append((hooks, dict(hooks), users))
+            for k in users:
+                del hooks[k]
+    try:
+        yield
+    finally:
+        for hooks, before, users in removed:
+            added = {k: h for k, h in hooks.items() if k not in before}
+            kept = dict(hooks)
+            hooks.clear()
+            hooks.update((k, h) for k, h in before.items() if k in users or k in kept)
+            hooks.update(added)
+
+
 def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> str:
     """Validate ``cost_model``; on fake tensors "measured" becomes "flops" (with a warning)."""
     if cost_model not in COST_MODELS:
@@ -421,7 +455,7 @@ def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> s
 def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured", repeats: int = 3) -> GraphCosts:
     """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring)."""
     cost_model = resolve_cost_model(cost_model, example_inputs, gm)
-    with preserved_state(gm), torch.enable_grad():
+    with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
         interp = _ProfilingInterpreter(gm, cost_model, repeats)
         for t in _tensors(example_inputs):
             interp.owner.setdefault(_storage_key(t), "")

@@ -21,6 +21,10 @@
   whose traced graph depends on the caller's autocast state (``if torch.is_autocast_enabled():``)
   becomes a leaf, with a warning; such code in the top-level ``forward`` raises
   :class:`fxremat.TraceError`.
+- A submodule whose calls run hooks (forward, forward pre- or backward hooks of its own, or any
+  global module hook, which every module runs) stays one leaf node (:func:`has_hooks`): the
+  emitted graph calls it, so its hooks run at each call as in eager PyTorch, and never while
+  tracing (where they would see proxies, and an output they return would be baked into the graph).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch.fx as fx
 
 from ..errors import TraceError
 
-__all__ = ["trace", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -101,7 +105,7 @@ class _LeafTracer(fx.Tracer):
                 delattr(root, name)
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)):
+        if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)) or has_hooks(m):
             return True
         return super().is_leaf_module(m, qualname)
 
@@ -131,6 +135,44 @@ class _LeafTracer(fx.Tracer):
             self.events.append(("exit", path))
         self.stack.pop()
         return out
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` runs hooks: forward, forward pre- or backward hooks of its own,
+    or a global one (``torch.nn.modules.module.register_module_forward_hook`` and the like)."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks
+                or any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS))
+
+
+def is_torch_hook(hook) -> bool:
+    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``): part of the module's
+    computation rather than a user's observer."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    fn = getattr(fn, "__func__", fn)  # bound methods
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return module == "torch" or module.startswith("torch.")
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
+    """Qualified names of the submodules of ``model`` (the root excluded: its hooks run around the
+    whole forward and never inside the trace) with user hooks (not defined inside torch), and
+    whether a global user hook is set: the fingerprint compared at each training step. Hooks
+    torch adds after compiling (FSDP2's ``fully_shard`` of a compiled module's leaves) are part
+    of the computation and change nothing; a user hook anywhere is seen and leads to a retrace."""
+    def user(hooks) -> bool:
+        return any(not is_torch_hook(h) for h in hooks.values())
+    names = frozenset(name for name, m in model.named_modules()
+                      if name and any(user(getattr(m, d)) for d in _MODULE_HOOKS))
+    return names | ({"<global>"} if any(user(getattr(torch.nn.modules.module, d)) for d in _GLOBAL_HOOKS)
+                    else frozenset())
 
 
 def _split_leaves(leaf_modules) -> tuple[tuple, frozenset]:
