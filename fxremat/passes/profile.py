@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import LiveStorageTracker
+from .state import StateWrites
 from .trace import is_torch_hook
 
 __all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS", "CALL_OPS"]
@@ -150,6 +151,9 @@ class _ProfilingInterpreter(fx.Interpreter):
         self.buffers = list(gm.named_buffers())
         self.fake = _is_fake(list(gm.parameters()) + list(gm.buffers()))
         self.tracker = LiveStorageTracker()
+        # The buffers each node writes, found from the ops' schemas and values (F.batch_norm
+        # writes running statistics without bumping their version counters).
+        self.buffer_writes = StateWrites(self.buffers)
 
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
@@ -166,19 +170,17 @@ class _ProfilingInterpreter(fx.Interpreter):
         flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
         live_before = self.tracker.live_bytes
         self.tracker.peak_bytes = live_before
-        with self.tracker, torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), (
-            flop_counter or contextlib.nullcontext()
-        ):
+        self.buffer_writes.clear()
+        # buffer_writes below the tracker: the copies it compares values with are not counted.
+        with self.buffer_writes, self.tracker, torch.autograd.graph.saved_tensors_hooks(
+            recorder.pack, recorder.unpack
+        ), (flop_counter or contextlib.nullcontext()):
             out = super().run_node(n)
         transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes)
         flops = flop_counter.get_total_flops() if flop_counter else 0
         uses_rng = _draws_random(self.module, n) or (rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
-        if n.op == "call_module":
-            # Kernels such as native_batch_norm update running statistics without bumping the
-            # version counter, so every buffer of a called module counts as mutated.
-            mutated |= {f"{n.target}.{name}" for name, _ in self.module.get_submodule(n.target).named_buffers()}
-        mutated = tuple(sorted(mutated))
+        mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before), mutated_buffers=mutated,
                        uses_rng=uses_rng)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient

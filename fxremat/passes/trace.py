@@ -33,14 +33,18 @@ import collections
 import contextlib
 import copy
 import itertools
+import linecache
 import logging
 import operator
+import os
+import sys
 import warnings
 
 import torch
 import torch.fx as fx
 
 from ..errors import TraceError
+from .state import kept_state
 
 __all__ = ["trace", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
@@ -73,7 +77,14 @@ _INPLACE_OPERATORS = {
 
 
 class _LeafTracer(fx.Tracer):
-    """An fx.Tracer that keeps the configured leaves and remembers the module being traced."""
+    """An fx.Tracer that keeps the configured leaves and remembers the module being traced.
+
+    Buffer reads are ``get_attr`` nodes (``proxy_buffer_attributes``), so in-place updates of
+    buffers (``self.num_batches_tracked.add_(1)``) are graph nodes rather than writes made once,
+    at trace time.
+    """
+
+    proxy_buffer_attributes = True
 
     def __init__(self, leaf_classes: tuple = (), leaf_names: frozenset = frozenset(), autocast_devices: tuple = ()):
         # Defaults: unpickling a GraphModule re-creates its tracer class with no arguments.
@@ -90,6 +101,9 @@ class _LeafTracer(fx.Tracer):
         # What the trace did, in order: ("enter"/"exit", path) of each traced (non-leaf) module's
         # forward and ("node", node) for each node created.
         self.events: list[tuple] = []
+        # The parameters and buffers the traced code wrote on the real tensors (name ->
+        # fxremat.passes.state.StateWrite; put back after the trace).
+        self.state_writes: dict = {}
         self._qualname_counter = collections.defaultdict(int)
 
     def get_fresh_qualname(self, prefix: str) -> str:
@@ -103,6 +117,12 @@ class _LeafTracer(fx.Tracer):
         for name in self.created_attrs:
             if root is not None and name in root.__dict__:
                 delattr(root, name)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        raise _PythonValueError(self, obj.node, "bool")
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)) or has_hooks(m):
@@ -173,6 +193,67 @@ def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
                       if name and any(user(getattr(m, d)) for d in _MODULE_HOOKS))
     return names | ({"<global>"} if any(user(getattr(torch.nn.modules.module, d)) for d in _GLOBAL_HOOKS)
                     else frozenset())
+
+
+class _PythonValueError(fx.proxy.TraceError, TypeError):
+    """Traced code turned a traced value into a Python value (``bool``, ``int``, ``float``):
+    ``float(self.num_batches_tracked)``, ``if x.sum() > 0:``. The message names the value, the
+    buffers, parameters or inputs it comes from, and the source line."""
+
+    def __init__(self, tracer: fx.Tracer, node: fx.Node, kind: str):
+        self.node = node
+        self.sources = _sources(tracer.root, node)
+        self.site = _user_site()
+        super().__init__(
+            f"{kind}() of the traced value {node.name!r} ({self.sources}) at {self.site}: a graph "
+            f"cannot hold a Python value computed from tensors (it would keep the value it had when "
+            f"traced, while the code computes it anew on every call)"
+        )
+
+
+class _Proxy(fx.Proxy):
+    """A ``torch.fx.Proxy`` whose conversions to Python numbers raise :class:`_PythonValueError`."""
+
+    def __float__(self):
+        raise _PythonValueError(self.tracer, self.node, "float")
+
+    def __int__(self):
+        raise _PythonValueError(self.tracer, self.node, "int")
+
+    def __index__(self):
+        raise _PythonValueError(self.tracer, self.node, "int")
+
+
+def _sources(root: torch.nn.Module, node: fx.Node) -> str:
+    """Which buffers, parameters and forward inputs ``node``'s value is computed from."""
+    buffers = dict(root.named_buffers())
+    seen, stack, found = set(), [node], []
+    while stack and len(seen) < 1000:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "get_attr":
+            found.append(f"buffer {n.target!r}" if n.target in buffers else f"attribute {n.target!r}")
+        elif n.op == "placeholder":
+            found.append(f"input {n.target!r}")
+        stack.extend(n.all_input_nodes)
+    return "computed from " + ", ".join(sorted(set(found))) if found else "computed from no input"
+
+
+_FX_DIR = os.path.dirname(fx.__file__)
+
+
+def _user_site() -> str:
+    """``file:line (`source`)`` of the innermost frame outside torch.fx and this module."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename.startswith(_FX_DIR) or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return "an unknown line"
+    code, line = frame.f_code, frame.f_lineno
+    text = linecache.getline(code.co_filename, line).strip()
+    return f"{code.co_filename}:{line} (`{text}`)" if text else f"{code.co_filename}:{line}"
 
 
 def _split_leaves(leaf_modules) -> tuple[tuple, frozenset]:
@@ -328,11 +409,79 @@ def _record_autocast(kept: _LeafTracer, probed: _LeafTracer, probes: tuple) -> N
                 what.meta[_AUTOCAST_META] = record
 
 
+class _StateWrittenWhileTracing(Exception):
+    """A submodule's code changed parameters or buffers on the real tensors while it was traced."""
+
+    def __init__(self, owner: str, message: str):
+        super().__init__(message)
+        self.owner = owner
+
+
 def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, probe: tuple) -> fx.Graph:
     # Grad enabled, as in the training forward the graph replaces (also when compile is called
-    # under no_grad): only the model's own no_grad regions are marked.
-    with torch.enable_grad(), _autocast_set_to(tracer.autocast_devices, probe):
-        return tracer.trace(model, concrete_args=concrete_args)
+    # under no_grad): only the model's own no_grad regions are marked. Tracing never changes the
+    # model's state: what the traced code writes on real tensors is put back (and reported).
+    with torch.enable_grad(), _autocast_set_to(tracer.autocast_devices, probe), kept_state(
+        model, owner=lambda: tracer.stack[-1] if tracer.stack else ""
+    ) as writes:
+        tracer.state_writes = writes.written
+        graph = tracer.trace(model, concrete_args=concrete_args)
+        _write_back_assigned_buffers(model, tracer, graph)
+        return graph
+
+
+def _write_back_assigned_buffers(model: torch.nn.Module, tracer: fx.Tracer, graph: fx.Graph) -> None:
+    """``self.calls += 1`` on a buffer: torch.fx records ``calls + 1`` and the assignment puts the
+    proxy in the module's buffers, outside the graph. Add ``calls.copy_(result)`` at the end of
+    the graph, so that the compiled model updates the buffer as the plain one does (the tensor
+    itself is put back in the module by :func:`kept_state`)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    for prefix, module in model.named_modules():
+        for attr, value in module._buffers.items():
+            if isinstance(value, fx.Proxy) and value.tracer is tracer:
+                with graph.inserting_before(out):
+                    target = graph.get_attr(f"{prefix}.{attr}" if prefix else attr)
+                    graph.call_method("copy_", (target, value.node))
+
+
+def _check_state_writes(model: torch.nn.Module, tracers, names: frozenset) -> None:
+    """Report the writes on real parameters and buffers the traces made (already put back):
+    none of them is in the graph, so training would never make them.
+
+    Raises :class:`_StateWrittenWhileTracing` for the first submodule whose code made some (it
+    must run as written: a leaf); warns about writes of the top-level forward or of no visible op.
+    """
+    writes = {}
+    for tracer in tracers:
+        for name, write in tracer.state_writes.items():
+            writes.setdefault(name, write)
+    buffers = dict(model.named_buffers())
+
+    def what(write) -> str:
+        kind = "buffer" if write.name in buffers else "parameter"
+        how = "by an operation torch did not dispatch" if write.op == "unseen" else f"with {write.op}"
+        return f"{kind} {write.name!r} ({how})"
+
+    owners = sorted({w.owner for w in writes.values() if w.owner and w.owner not in names})
+    if owners:
+        owner = owners[0]
+        changed = ", ".join(what(w) for w in writes.values() if w.owner == owner)
+        cls = type(model.get_submodule(owner)).__name__
+        raise _StateWrittenWhileTracing(owner, (
+            f"fxremat: submodule {owner!r} ({cls}) changed {changed} on the real tensor while it was "
+            f"traced, outside the traced graph, so the graph would never make that change; treating it "
+            f"as one leaf node (it runs as written, and fxremat put the value back after tracing). Pass "
+            f"leaf_modules=({owner!r},) to silence this warning."
+        ))
+    for write in writes.values():
+        where = f"{type(model).__name__}.forward" if write.owner == "" else "code run while tracing"
+        warnings.warn(
+            f"fxremat: {where} changed {what(write)} on the real tensor, outside the traced graph: "
+            f"fxremat put its value back, but the compiled model will not make that change when it "
+            f"trains, while the plain model makes it on every call. Move the code that changes it "
+            f"into a submodule and pass that submodule in leaf_modules=.",
+            stacklevel=4,
+        )
 
 
 def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.GraphModule:
@@ -352,6 +501,11 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             probed, tracer = tracer, _LeafTracer(classes, names, devices)
             graph = _trace_under(tracer, model, concrete_args, probes[0])
             _record_autocast(tracer, probed, probes)
+            _check_state_writes(model, (probed, tracer), names)
+        except _StateWrittenWhileTracing as exc:
+            warnings.warn(str(exc), stacklevel=3)
+            names = names | {exc.owner}
+            continue
         except _AutocastDependent as exc:
             if not exc.owner or exc.owner in names:
                 code = f"{type(model).__name__}.forward" if not exc.owner else f"the forward of {exc.owner!r}"
@@ -373,17 +527,24 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             failing = tracer.stack[-1] if tracer.stack else ""
             if not failing or failing in names:
                 raise TraceError(failing, exc) from exc
-            warnings.warn(
-                f"fxremat: torch.fx could not trace submodule {failing!r} ({type(exc).__name__}: "
-                f"{exc}); treating it as one leaf node (it is kept or recomputed whole). "
-                f"Pass leaf_modules=({failing!r},) to silence this warning.",
-                stacklevel=3,
-            )
+            warnings.warn(_untraceable_message(model, failing, exc), stacklevel=3)
             names = names | {failing}
             continue
         name = type(model).__name__
         return restore_modes(normalize_inplace(fx.GraphModule(tracer.root, graph, name)))
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
+
+
+def _untraceable_message(model: torch.nn.Module, failing: str, exc: Exception) -> str:
+    """The warning for a submodule torch.fx could not trace, which becomes a leaf."""
+    cls = type(model.get_submodule(failing)).__name__
+    if isinstance(exc, _PythonValueError):
+        cause = f"its forward needs a Python value computed from a tensor: {exc}"
+    else:
+        cause = f"torch.fx could not trace it ({type(exc).__name__}: {exc})"
+    return (f"fxremat: submodule {failing!r} ({cls}) is treated as one leaf node: {cause}. As a leaf it "
+            f"runs as written and is kept or recomputed whole (the buffers it updates are put back "
+            f"after a recomputation). Pass leaf_modules=({failing!r},) to silence this warning.")
 
 
 def _mutated_input(gm: fx.GraphModule, node: fx.Node):
