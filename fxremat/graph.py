@@ -43,7 +43,12 @@ class CostGraph:
     cross-entropy keeps its log-softmax and allocates its gradient).
     ``transient_bytes[v]``: what v needs while its forward runs beyond its output (its
     parameters' gradient for graphs saved earlier); ``bwd_transient_bytes[v]``: what its backward
-    needs beyond the gradients it hands its inputs.
+    needs beyond the gradients it hands its inputs (temporaries, and its parameters' gradients
+    until each is accumulated into ``.grad``); ``param_grad_bytes[v]``: the gradients of the
+    parameters v reads, all alive while v's backward hands on its results.
+    ``shared_params``: ``(bytes, readers)`` of each parameter that two or more call nodes read
+    (tied weights, a module called twice): autograd holds its gradient from the backward of its
+    first reader (in backward order) to that of its last, then accumulates it into ``.grad``.
     ``data_succs``: set only on a graph whose ``preds``/``succs`` carry extra precedence edges
     (:func:`fxremat.planner.ordered_preds`): the successors along data edges alone.
     """
@@ -69,14 +74,27 @@ class CostGraph:
     grad_alias: tuple[bool, ...] = ()
     data_succs: tuple[tuple[int, ...], ...] = ()
     bwd_transient_bytes: tuple[int, ...] = ()
+    param_grad_bytes: tuple[int, ...] = ()
+    shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     @property
     def n(self) -> int:
         return len(self.names)
 
     def step_transient(self, v: int) -> int:
-        """The larger of v's forward and backward transients (what the solvers' step terms use)."""
-        return max(self.transient_bytes[v], self.bwd_transient(v))
+        """The larger of v's forward and backward transients, plus the gradients of shared
+        parameters that may be held across v's backward (:meth:`held_grad_bytes`): what the
+        solvers' step terms use."""
+        return max(self.transient_bytes[v], self.bwd_transient(v)) + self.held_grad_bytes(v)
+
+    def held_grad_bytes(self, v: int) -> int:
+        """An upper bound of the shared parameters' gradient bytes held while v's backward runs:
+        each one whose readers span v, twice at a reader that adds its own (summed out of place)."""
+        held = 0
+        for nbytes, readers in self.shared_params:
+            if readers[0] <= v <= readers[-1]:
+                held += 2 * nbytes if v in readers[:-1] else nbytes
+        return held
 
     def bwd_transient(self, v: int) -> int:
         """Bytes node v's backward needs beyond its inputs' gradients (``transient_bytes`` for
@@ -118,6 +136,7 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
     for v, c in enumerate(node_costs):
         owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
         saved.append(tuple(sorted(owners)))
+    shared = _shared_params(gm, node_costs)
     return CostGraph(
         names=tuple(n.name for n in calls),
         preds=tuple(preds),
@@ -130,16 +149,29 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         extra_bytes=tuple(c.extra_bytes for c in node_costs),
         grad_bytes=tuple(c.grad_bytes for c in node_costs),
         transient_bytes=tuple(c.fwd_transient_bytes for c in node_costs),
-        bwd_transient_bytes=tuple(max(c.bwd_transient_bytes, c.param_grad_bytes) for c in node_costs),
+        bwd_transient_bytes=tuple(c.bwd_transient_bytes for c in node_costs),
+        param_grad_bytes=tuple(c.param_grad_bytes for c in node_costs),
+        shared_params=shared,
         time_unit=unit,
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,
         grad_alias=tuple(c.grad_alias for c in node_costs),
         uses_rng=tuple(c.uses_rng for c in node_costs),
-        order_chains=_order_chains(gm.graph, index),
+        order_chains=_order_chains(gm.graph, index) + tuple(readers for _, readers in shared),
         anchor=_anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
         loss_bytes=LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
     )
+
+
+def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(gradient bytes, reader nodes in order) of each parameter read by two or more call nodes."""
+    readers: dict[str, list[int]] = {}
+    for v, c in enumerate(node_costs):
+        for name in c.params:
+            readers.setdefault(name, []).append(v)
+    params = dict(gm.named_parameters())
+    return tuple((params[name].numel() * params[name].element_size(), tuple(r))
+                 for name, r in readers.items() if len(r) >= 2)
 
 
 def _order_chains(graph: fx.Graph, index: dict) -> tuple[tuple[int, ...], ...]:
@@ -190,5 +222,7 @@ def load_graph(path) -> CostGraph:
     if unknown:
         raise ValueError(f"fxremat.graph.load_graph: {path} has unknown fields {sorted(unknown)}")
     nested = {"preds", "succs", "saved"}
+    if "shared_params" in data:
+        data["shared_params"] = [(nbytes, tuple(readers)) for nbytes, readers in data["shared_params"]]
     return CostGraph(**{k: tuple(tuple(x) for x in v) if k in nested else tuple(v) if isinstance(v, list) else v
                         for k, v in data.items()})

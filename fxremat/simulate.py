@@ -56,17 +56,17 @@ class Schedule:
 
 
 class _Grads:
-    """Gradient buffers shared by reference: ``of[v]`` is the buffer holding v's gradient."""
+    """Gradient buffers shared by reference: ``of[v]`` is the buffer holding v's gradient;
+    ``shared`` the shared parameters' gradients."""
 
-    def __init__(self, mem):
+    def __init__(self, mem, graph: CostGraph):
         self.mem = mem
         self.of: dict[int, int] = {}
         self.refs: dict[int, int] = {}
+        self.shared = _SharedParams(graph, mem)
 
     def give(self, v: int, nbytes: int, share_from: int | None = None) -> None:
-        if v in self.of:  # accumulate into the existing buffer: the incoming one is transient
-            self.mem.note(nbytes)
-            return
+        """v's first gradient: a new buffer, or a view of ``share_from``'s."""
         buf = self.of.get(share_from) if share_from is not None else None
         if buf is None:
             buf = len(self.refs)
@@ -75,6 +75,13 @@ class _Grads:
         self.refs[buf] += 1
         self.of[v] = buf
 
+    def resum(self, v: int, nbytes: int) -> None:
+        """v's gradient after a second one was added out of place: a new buffer replaces its
+        old one (which dies unless views of it live on elsewhere)."""
+        self.drop(v)
+        del self.of[v]
+        self.give(v, nbytes)
+
     def drop(self, v: int) -> None:
         buf = self.of.get(v)
         if buf is None:
@@ -82,6 +89,44 @@ class _Grads:
         self.refs[buf] -= 1
         if self.refs[buf] == 0:
             self.mem.free(("g", buf))
+
+
+class _SharedParams:
+    """Gradients of parameters read by two or more call nodes (``graph.shared_params``) that the
+    backward reaches: autograd keeps the first one in the parameter's accumulation buffer from
+    its first reader's backward to its last's, adding the others to it out of place."""
+
+    def __init__(self, graph: CostGraph, mem: _Memory):
+        reached = _reached(graph)
+        self.mem = mem
+        self.at: dict[int, list[tuple[int, int, bool, bool]]] = {}  # v -> (param, bytes, first, last)
+        for i, (nbytes, readers) in enumerate(graph.shared_params):
+            readers = [v for v in readers if v in reached]
+            if len(readers) < 2:
+                continue
+            for v in readers:
+                self.at.setdefault(v, []).append((i, nbytes, v == readers[-1], v == readers[0]))
+
+    def summed(self, v: int) -> list[int]:
+        """Bytes of the sums v's backward makes into shared parameters' buffers."""
+        return [nbytes for _, nbytes, first, _ in self.at.get(v, ()) if not first]
+
+    def after(self, v: int) -> None:
+        for i, nbytes, first, last in self.at.get(v, ()):
+            if first:
+                self.mem.alloc(("p", i), nbytes)
+            elif last:
+                self.mem.free(("p", i))
+
+
+def _reached(graph: CostGraph) -> set[int]:
+    """Nodes whose backward runs: the outputs with a gradient and, backwards, their inputs that
+    take one."""
+    reached = {v for v in range(graph.n) if graph.is_output[v] and graph.grad_bytes[v]}
+    for v in reversed(range(graph.n)):
+        if v in reached:
+            reached.update(p for p in graph.preds[v] if graph.grad_bytes[p])
+    return reached
 
 
 class _Memory:
@@ -147,7 +192,7 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
                 pending[r].discard(v)
                 maybe_free(r)
             maybe_free(v)
-    grads = _Grads(mem)
+    grads = _Grads(mem, graph)
     for v in range(graph.n):
         if graph.is_output[v] and graph.grad_bytes[v]:
             grads.give(v, graph.grad_bytes[v])
@@ -158,14 +203,40 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
 
 
 def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
-    """Node v's backward: its inputs' gradients appear, its output's gradient goes."""
+    """Node v's backward: its inputs' gradients appear, its output's gradient goes.
+
+    While it runs, v's backward holds its results (its inputs' gradients, new buffers unless it
+    hands on views of its own, and its parameters' gradients) and its transient
+    (``bwd_transient``) at once. Then autograd hands the results on: a second gradient for an
+    input is added to the first out of place (as it is under a dispatch mode, which every
+    measurement here runs under; without one PyTorch adds in place, one buffer less) while all
+    of v's results are alive, its incoming gradient already let go; so is a shared parameter's
+    (:class:`_SharedParams`).
+    """
     share = v if graph.grad_alias[v] else None
-    for p in graph.preds[v]:
-        if graph.grad_bytes[p] and v in grads.of:
-            grads.give(p, graph.grad_bytes[p], share)
-    mem.note(graph.bwd_transient(v))
-    grads.drop(v)
+    again = []  # inputs that already have a gradient
+    if v in grads.of:
+        for p in graph.preds[v]:
+            if not graph.grad_bytes[p]:
+                continue
+            if p in grads.of:
+                again.append(p)
+            else:
+                grads.give(p, graph.grad_bytes[p], share)
+    incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
+    mem.note(incoming + graph.bwd_transient(v))
+    sums = [graph.grad_bytes[p] for p in again]
+    if v in grads.of:
+        sums += grads.shared.summed(v)
+    grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
+    if sums:
+        params = min(graph.param_grad_bytes[v], graph.bwd_transient(v)) if graph.param_grad_bytes else 0
+        mem.note(incoming + params + max(sums))
+    for p in again:
+        grads.resum(p, graph.grad_bytes[p])
+    if v in grads.of:
+        grads.shared.after(v)
 
 
 def _packs(graph: CostGraph, v: int) -> bool:

@@ -36,6 +36,7 @@ import logging
 import statistics
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -81,6 +82,7 @@ class NodeCost:
     bwd_cost: float = 0.0
     uses_rng: bool = False
     bwd_transient_bytes: int = 0
+    params: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,51 @@ class _SavedRecorder:
         return t
 
 
+class _Seed(torch.autograd.Function):
+    """A root for one node's backward alone: its backward hands each of the node's outputs a new
+    gradient of ones that nothing but autograd holds (allocated under the tracker), as the
+    gradient a node receives in training; weak references to their storages go to ``made``."""
+
+    @staticmethod
+    def forward(ctx, made, *outs):
+        ctx.made = made
+        ctx.like = [(t.shape, t.new_empty(0)) for t in outs]
+        return outs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad):
+        grads = tuple(template.new_ones(shape) for shape, template in ctx.like)
+        ctx.made.extend(weakref.ref(g.untyped_storage()) for g in grads)
+        return (None, *grads)
+
+
+class _Capture(torch.autograd.Function):
+    """Identity on a node's input whose backward keeps the gradient that reaches it (as the
+    nodes before would hold it) and hands nothing on, so the input needs no ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, t, arrived):
+        ctx.arrived = arrived
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.arrived.append(grad)
+        return None, None
+
+
+def _stand_in(p: torch.Tensor, stand_ins: dict) -> torch.Tensor:
+    """A leaf sharing ``p``'s storage whose ``.grad`` exists (allocated here, outside any tracker):
+    its gradient is accumulated in place, as a parameter's is in every step after the first,
+    without running ``p``'s own accumulation or its hooks. One per parameter (``stand_ins``,
+    by identity), so that a parameter read twice gets one accumulation."""
+    if id(p) not in stand_ins:
+        alias = p.detach().requires_grad_()
+        alias.grad = torch.zeros_like(p)
+        stand_ins[id(p)] = alias
+    return stand_ins[id(p)]
+
+
 def _is_fake(values) -> bool:
     return any(isinstance(t, FakeTensor) for t in _tensors(values))
 
@@ -143,6 +190,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         self.repeats = repeats
         self.owner: dict[int, str] = {}  # storage key -> producing node name ("" = external)
         self.param_keys = {_storage_key(p): p.numel() * p.element_size() for p in gm.parameters()}
+        self.param_names = {_storage_key(p): name for name, p in gm.named_parameters()}
         for b in gm.buffers():
             self.owner[_storage_key(b)] = ""
         for k in self.param_keys:
@@ -191,38 +239,58 @@ class _ProfilingInterpreter(fx.Interpreter):
         return out
 
     def _backward_transient(self, n: fx.Node) -> int:
-        """Peak bytes of the node's backward alone beyond the gradients of its inputs: the forward
-        runs again on detached inputs, then ``autograd.grad`` of its outputs (incoming gradients
-        allocated beforehand) with respect to those inputs and its parameters, under the tracker."""
+        """Peak bytes of the node's backward alone beyond the gradients it hands its inputs, run as
+        a training step runs it: the forward again on detached inputs and on stand-ins for its
+        parameters (:func:`_stand_in`: their ``.grad`` exists, so each parameter's gradient is
+        accumulated in place and freed as soon as it is ready, not held until the whole node's
+        backward returns), then ``torch.autograd.backward`` of its outputs under the tracker,
+        from gradients that only autograd holds (:class:`_Seed`), so that they die when the
+        node's backward lets them go. The incoming gradients and the inputs' gradients (taken as
+        they reach the inputs) are subtracted; the model's parameters and ``.grad`` are not
+        touched."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        leaves = []
+        leaves, stand_ins, arrived, made = [], {}, [], []
 
         def detach(t):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 return t
+            if _storage_key(t) in self.param_keys:
+                return _stand_in(t, stand_ins)
             leaf = t.detach().requires_grad_()
             leaves.append(leaf)
-            return leaf
+            return _Capture.apply(leaf, arrived)
 
         args, kwargs = tree_map(detach, (args, kwargs))
-        params = [p for p in self._node_params(n, args, kwargs) if p.requires_grad]
-        out = getattr(self, n.op)(n.target, args, kwargs)
+        if n.op == "call_module":
+            mod = self.module.get_submodule(n.target)
+            params = {name: _stand_in(p, stand_ins) for name, p in mod.named_parameters(remove_duplicate=False)
+                      if p.requires_grad}
+            out = torch.func.functional_call(mod, params, args, kwargs)
+        else:
+            out = getattr(self, n.op)(n.target, args, kwargs)
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
-        wrt = leaves + params
+        wrt = leaves + list(stand_ins.values())
         if not outs or not wrt:
             return 0
-        incoming = [torch.ones_like(t) for t in outs]
+        root = _Seed.apply(made, *outs)
+        seed = torch.ones_like(root)
         tracker = LiveStorageTracker()
         with tracker:
-            grads = torch.autograd.grad(outs, wrt, incoming, allow_unused=True)
-        kept = sum(tracker.sizes_of(g for g in grads[:len(leaves)] if g is not None))
-        return max(0, tracker.peak_bytes - kept)
+            torch.autograd.backward(root, seed, inputs=wrt)
+        incoming = sum(t.numel() * t.element_size() for t in outs)
+        views_of_incoming = {ref()._cdata for ref in made if ref() is not None}  # alive through `arrived`
+        kept = tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming)
+        return max(0, tracker.peak_bytes - incoming - sum(kept))
 
-    def _node_params(self, n: fx.Node, args, kwargs) -> list[torch.Tensor]:
-        found = {id(t): t for t in _tensors((args, kwargs)) if _storage_key(t) in self.param_keys}
+    def _node_params(self, n: fx.Node, args, kwargs) -> dict[str, torch.Tensor]:
+        """The parameters (that require grad) the node reads, by qualified name: its module's
+        for ``call_module``, arguments (through ``get_attr``) for the other calls."""
+        found = {self.param_names[_storage_key(t)]: t for t in _tensors((args, kwargs))
+                 if t.requires_grad and _storage_key(t) in self.param_names}
         if n.op == "call_module":
-            found.update((id(p), p) for p in self.module.get_submodule(n.target).parameters())
-        return list(found.values())
+            mod = self.module.get_submodule(n.target)
+            found.update((self.param_names[_storage_key(p)], p) for p in mod.parameters() if p.requires_grad)
+        return found
 
     def _time_node(self, n: fx.Node) -> float:
         """Median wall time of the node's forward in milliseconds (autograd recording on)."""
@@ -258,16 +326,14 @@ class _ProfilingInterpreter(fx.Interpreter):
             elif who:
                 saved_inputs.add(who)
         grad_alias = _grad_alias(out, self._fetch_args(n), before)
-        param_grad = sum(self.param_keys.get(_storage_key(t), 0) for t in _tensors((n.args, n.kwargs)))
-        if n.op == "call_module":
-            mod = self.module.get_submodule(n.target)
-            param_grad += sum(p.numel() * p.element_size() for p in mod.parameters() if p.requires_grad)
+        params = self._node_params(n, *self._fetch_args(n))
         moved = sum(t.untyped_storage().nbytes() for t in _tensors((self._fetch_args(n), out)))
         return NodeCost(
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
             saves_output=saves_output, extra_bytes=extra, fwd_transient_bytes=transient,
             grad_bytes=sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad),
-            param_grad_bytes=param_grad,
+            param_grad_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            params=tuple(sorted(params)),
             fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
             flops=flops, module=_module_path(n), grad_alias=grad_alias,
             tensor_output=bool(_tensors(out)),

@@ -1,0 +1,151 @@
+"""Parameter gradients in the memory model (issue 12, items 2-4): parameters read by
+``call_function`` nodes (``F.linear(x, self.weight)``, ``torch.addmm`` as in GPT-2's Conv1D,
+RMSNorm's ``self.weight * x``), tied weights (embedding = LM head), leaf modules with many
+parameters. Every peak here is measured (``fxremat.measure_peak``) in the steady state where
+``.grad`` exists, and compared with the plan's prediction and budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxremat
+from _models import loss_of as _loss
+from _models import with_grads
+
+
+def _measured(model, x):
+    with_grads(model)
+    _loss(model(x)).backward()
+    return fxremat.measure_peak(lambda: _loss(model(x)).backward())[1]
+
+
+class FunctionalLinear(nn.Module):
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.bias = nn.Parameter(torch.zeros(o))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's: ``torch.addmm`` with the weight stored transposed."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(i, o) / i**0.5)
+        self.bias = nn.Parameter(torch.zeros(o))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _mlp(layer, width=512, depth=4):
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(depth):
+        mods += [RMSNorm(width), layer(width, width), nn.GELU()]
+    return nn.Sequential(*mods)
+
+
+@pytest.mark.parametrize("layer", [FunctionalLinear, Conv1D], ids=["F.linear", "addmm"])
+def test_parameters_read_by_functions_are_counted(layer):
+    x = torch.randn(4, 16, 512)
+    model = _mlp(layer)
+    plain = _measured(model, x)
+    for budget in (0.6, "min"):
+        remat = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops")
+        # never below what is measured (the budget holds); at most one activation above (before:
+        # the parameters' gradients were missing, 4.75x over the budget at "min")
+        assert 1.0 <= remat.plan.baseline_peak_bytes / plain <= 1.05
+        assert _measured(remat, x) <= 1.05 * remat.plan.budget_bytes
+
+
+class LM(nn.Module):
+    def __init__(self, tied, vocab=4096, dim=64):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.body = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(dim, 4 * dim), nn.GELU(),
+                                                                   nn.Linear(4 * dim, dim))])
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+def test_tied_weights_hold_the_head_gradient_until_the_embedding():
+    """The LM head's weight gradient (the size of the embedding) lives in the accumulation
+    buffer through the whole backward: the tied model's plain peak is far above the untied
+    one's, and the prediction must not fall below what is measured."""
+    ids = torch.randint(0, 4096, (2, 16))
+    peaks = {}
+    for tied in (False, True):
+        torch.manual_seed(0)
+        model = LM(tied)
+        peaks[tied] = _measured(model, ids)
+        for budget in (1.0, "min"):
+            remat = fxremat.compile(model, budget, example_inputs=(ids,), cost_model="flops")
+            measured = _measured(remat, ids)
+            assert measured <= 1.05 * remat.plan.budget_bytes
+            assert remat.plan.baseline_peak_bytes >= peaks[tied]
+    assert peaks[True] > peaks[False] + 4096 * 64 * 4  # the held gradient is real
+
+
+class Block(nn.Module):
+    def __init__(self, d=256):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.b(F.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("leaves", [(), ("0", "1", "2")], ids=["traced", "leaves"])
+def test_leaf_modules_gradients_are_not_all_counted_at_once(leaves):
+    """A leaf's parameters' gradients are accumulated into .grad one by one in training; the
+    profiler must not hold them all (plain peak was predicted 6.6x too high)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Block() for _ in range(3)))
+    x = torch.randn(2, 8, 256)
+    plain = _measured(model, x)
+    plan = fxremat.plan(model, 1.0, example_inputs=(x,), cost_model="flops", leaf_modules=leaves)
+    assert 1.0 <= plan.baseline_peak_bytes / plain <= 1.03  # was 6.6x with leaves
+
+
+class TwoBranches(nn.Module):
+    """A value read by two branches whose second gradient arrives with a weight gradient."""
+
+    def __init__(self, c=256, o=64):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU())
+        self.cbr = nn.Conv2d(c, o, 1)
+        self.scale = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, o, 1), nn.Sigmoid())
+
+    def forward(self, x):
+        high = self.stem(x)
+        return (self.cbr(high) * self.scale(high)).permute(0, 2, 3, 1)
+
+
+def test_second_gradient_with_weight_gradient_stays_within_budget():
+    torch.manual_seed(0)
+    model, x = TwoBranches(), torch.randn(2, 3, 8, 8)
+    plain = _measured(model, x)
+    for budget in (1.0, "min"):
+        remat = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops")
+        assert remat.plan.baseline_peak_bytes >= plain
+        assert _measured(remat, x) <= 1.05 * remat.plan.budget_bytes
