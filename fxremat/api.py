@@ -707,9 +707,26 @@ class RematModule(torch.nn.Module):
         return sorted(set(super().__dir__()) | set(dir(self._remat.model)))
 
     def _bind(self, args, kwargs) -> tuple:
+        """The traced graph's positional inputs for a call. torch.fx traces ``*args`` as one
+        placeholder per value given and ``**kwargs`` as empty: keywords that would land in
+        ``**kwargs`` are refused, since the graph was traced without them."""
         bound = self._remat.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        return tuple(bound.arguments.values())
+        inputs = []
+        for name, value in bound.arguments.items():
+            kind = bound.signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                if value:
+                    raise TypeError(
+                        f"fxremat.RematModule: keyword arguments {sorted(value)} go to "
+                        f"{type(self._remat.model).__name__}.forward's **{name}, which torch.fx traced "
+                        f"empty, so the compiled graph would ignore them; give forward named "
+                        f"parameters for them, or call it without them")
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                inputs.extend(value)
+            else:
+                inputs.append(value)
+        return tuple(inputs)
 
     @torch.compiler.disable  # planning runs eagerly under torch.compile; Dynamo traces the emitted module
     def _prepare(self, inputs: tuple):

@@ -56,15 +56,25 @@ class PlanBudgetError(ValueError):
 
 
 class TraceError(RuntimeError):
-    """torch.fx could not trace the model (for example data-dependent Python control flow)."""
+    """torch.fx could not trace the model (for example data-dependent Python control flow).
 
-    def __init__(self, qualified_name: str, cause: BaseException, hint: str | None = None):
+    ``module_class`` names the class of the module that failed and ``where`` the line of its code
+    (``file:line``) where it did, when known.
+    """
+
+    def __init__(self, qualified_name: str, cause: BaseException, hint: str | None = None, *,
+                 module_class: str | None = None, where: str | None = None):
         self.qualified_name = qualified_name
-        where = f"submodule {qualified_name!r}" if qualified_name else "the top-level module"
+        self.module_class = module_class
+        self.where = where
+        what = f"submodule {qualified_name!r}" if qualified_name else "the top-level module"
+        if module_class:
+            what += f" ({module_class})"
+        at = f" at {where}" if where else ""
         if hint is None:
             hint = (
                 f"pass leaf_modules=({qualified_name!r},) (or its class) so fxremat treats it as one node"
                 if qualified_name
                 else "make its forward traceable by torch.fx (no Python control flow on tensor values)"
             )
-        super().__init__(f"fxremat: torch.fx could not trace {where}: {type(cause).__name__}: {cause}; {hint}")
+        super().__init__(f"fxremat: could not trace {what}{at}: {type(cause).__name__}: {cause}; {hint}")

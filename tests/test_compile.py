@@ -130,3 +130,25 @@ def test_saved_plan_is_reused_without_solving_and_checked(tmp_path, monkeypatch)
         fxremat.compile(small_unet(), 0.5, example_inputs=(torch.randn(2, 3, 64, 64),), plan=loaded)
     with pytest.raises(TypeError, match="plan= takes a fxremat.Plan"):
         fxremat.compile(model, 0.5, plan=str(path))
+
+
+class _VarKwargs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+
+    def forward(self, x, **kwargs):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("example", [False, True])
+def test_forward_with_var_kwargs_trains_and_refuses_keywords_it_would_ignore(example):
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    plain, model = pair(_VarKwargs())
+    remat = fxremat.compile(model, "min", example_inputs=(x,) if example else None, cost_model="flops")
+    plain(x).sum().backward()
+    remat(x).sum().backward()
+    assert_same_state(plain, remat)
+    with pytest.raises(TypeError, match=r"\['mask'\] go to _VarKwargs.forward's \*\*kwargs"):
+        remat(x, mask=None)

@@ -56,3 +56,31 @@ def test_exact_over_the_cap_says_what_to_do():
     assert plan.strategy == "approx" and not plan.notes
     plan = fxremat.plan(small_unet(), 0.5, example_inputs=(X,), cost_model="flops", strategy="auto", exact_cap=3)
     assert plan.strategy != "exact" and "exact_cap=3" in plan.notes[0] and "exact_cap=3" in plan.summary()
+
+
+def _decorated(fn):
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class _DecoratedForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    @_decorated
+    def forward(self, x, mask=None, **kwargs):
+        return self.lin(x)
+
+
+def test_trace_error_names_the_class_and_the_decorator_not_control_flow():
+    with pytest.raises(fxremat.TraceError) as info:
+        fxremat.compile(_DecoratedForward(), 0.5)
+    text = str(info.value)
+    assert info.value.module_class == "_DecoratedForward"
+    assert "(_DecoratedForward)" in text and "wrapped by a decorator" in text and "test_errors.py:" in text
+    assert "control flow" not in text

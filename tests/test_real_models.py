@@ -310,6 +310,13 @@ def test_real_model_trains_exactly_within_budget(case, budget):
     if not _needs(_LIBRARY[case.family]):
         pytest.skip(f"{case.family} is not installed (pip install -e '.[real]')")
     torch.set_num_threads(1)
+    if case.family == "transformers":
+        # Raw Hugging Face models: their decorated forward(*args, **kwargs) does not trace with
+        # torch.fx; capturing them (torch.export, branch `hf`) has not landed. Strict: once it
+        # does, this test fails until the mark goes.
+        with pytest.raises(fxremat.TraceError, match="wrapped by a decorator"):
+            check(case, budget)
+        pytest.xfail("raw Hugging Face models are not captured yet (issue 12 item 5)")
     _assert_targets(case, check(case, budget))
 
 

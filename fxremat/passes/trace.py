@@ -32,12 +32,14 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import inspect
 import itertools
 import linecache
 import logging
 import operator
 import os
 import sys
+import traceback
 import warnings
 
 import torch
@@ -526,13 +528,57 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
         except Exception as exc:  # torch.fx raises many types (TraceError, TypeError, ...)
             failing = tracer.stack[-1] if tracer.stack else ""
             if not failing or failing in names:
-                raise TraceError(failing, exc) from exc
+                raise _trace_error(model, failing, exc) from exc
             warnings.warn(_untraceable_message(model, failing, exc), stacklevel=3)
             names = names | {failing}
             continue
         name = type(model).__name__
         return restore_modes(normalize_inplace(fx.GraphModule(tracer.root, graph, name)))
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
+
+
+def _varargs_reason(module: torch.nn.Module) -> str | None:
+    """Why torch.fx cannot make placeholders for ``module.forward`` (``None`` where it can): its
+    code takes ``*args`` (a decorator's ``wrapper(self, *args, **kwargs)``, as around every
+    Hugging Face model's forward), which becomes one placeholder the code cannot unpack."""
+    fn = type(module).forward
+    code = getattr(fn, "__code__", None)
+    if code is None or not code.co_flags & inspect.CO_VARARGS:
+        return None
+    wrapped = inspect.unwrap(fn)
+    if wrapped is not fn and getattr(wrapped, "__code__", None) is not None:
+        inner = wrapped.__code__
+        return (f"{type(module).__name__}.forward is wrapped by a decorator whose wrapper takes (*args, **kwargs) "
+                f"(the forward is at {inner.co_filename}:{inner.co_firstlineno})")
+    return f"{type(module).__name__}.forward takes *{code.co_varnames[code.co_argcount]}"
+
+
+def _user_line(exc: BaseException) -> str | None:
+    """``file:line (function: code)`` of the innermost frame of ``exc``'s traceback outside torch
+    and fxremat: the model's code that failed."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, own_dir))]
+    if not frames:
+        return None
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} ({f.name}: {(f.line or '').strip()})"
+
+
+def _trace_error(model: torch.nn.Module, failing: str, exc: Exception) -> TraceError:
+    """The TraceError for a failure in ``failing`` (``""``: the top-level forward), naming the
+    module's class, the line of its code that failed, and a hint that fits the cause."""
+    module = model.get_submodule(failing) if failing else model
+    hint = None
+    varargs = _varargs_reason(module)
+    if varargs is not None:
+        hint = (f"{varargs}; torch.fx gives *args one placeholder that the code cannot unpack. "
+                + (f"Pass leaf_modules=({failing!r},)" if failing else
+                   "Compile a module whose forward names its inputs (for a Hugging Face model, its "
+                   "base model's layers, e.g. a wrapper calling model.model.layers), or see the "
+                   "README's 'Real models'"))
+    return TraceError(failing, exc, hint, module_class=type(module).__name__, where=_user_line(exc))
 
 
 def _untraceable_message(model: torch.nn.Module, failing: str, exc: Exception) -> str:
