@@ -28,7 +28,8 @@ from .errors import PlanBudgetError
 from .graph import CostGraph, build_graph
 from .passes.profile import COST_MODELS, GraphCosts, profile
 from .passes.rewrite import rewrite
-from .passes.trace import hooked_modules, trace
+from .passes.capture import capture_call
+from .passes.trace import hooked_modules, trace, varargs_reason
 from .plan import Plan, Segment
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
@@ -324,17 +325,45 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
     _check_unwrapped(model, "plan")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "plan")
     config = _config(budget, strategy, cost_model, options, api="plan", leaf_modules=leaf_modules)
-    inputs = _as_tuple(example_inputs)
+    inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
     with _training_mode(model):  # plan what is trained, also for a model in eval()
-        gm = _traced(model, leaf_modules)
+        gm = _traced(model, leaf_modules, "plan")
+        if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
+            args, kwargs = _example_call(example_inputs)
+            captured = capture_call(model, args, kwargs)
+            gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
+        elif inputs is None:  # keyword inputs of a traced forward: its placeholders in order
+            bound = inspect.signature(model.forward).bind(**example_inputs)
+            bound.apply_defaults()
+            inputs = tuple(bound.arguments.values())
         if config.plan is not None:
             return _saved_plan(gm, inputs, config, "the plan passed to fxremat.plan")
         return _plan_traced(gm, inputs, config)[0]
 
 
-def _traced(model: torch.nn.Module, leaf_modules) -> fx.GraphModule:
+def _traced(model: torch.nn.Module, leaf_modules, api: str) -> fx.GraphModule | None:
+    """``model`` traced with torch.fx, or ``None`` for a model captured per input signature with
+    torch.export (:mod:`fxremat.passes.capture`): one whose forward takes ``*args``, as the
+    decorated forwards of Hugging Face models do, which torch.fx cannot make placeholders for."""
+    reason = varargs_reason(model)
+    if reason is not None:
+        if leaf_modules:
+            raise TypeError(
+                f"fxremat.{api}: leaf_modules={tuple(leaf_modules)!r} needs torch.fx, which cannot trace "
+                f"this model ({reason}); fxremat captures it with torch.export, which keeps no leaves: "
+                f"drop leaf_modules=, or compile the submodules instead")
+        log.info("fxremat: %s; capturing each input signature with torch.export", reason)
+        return None
     with _stage("tracing", type(model).__name__):
         return trace(model, leaf_modules=leaf_modules)
+
+
+def _example_call(example_inputs) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of ``example_inputs``: a dict holds keyword inputs, anything else the
+    positional ones."""
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    return _as_tuple(example_inputs), {}
 
 
 def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: str = "auto",
@@ -361,10 +390,14 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = _config(budget, strategy, cost_model, options, leaf_modules=leaf_modules)
     with _training_mode(model):
-        traced = _traced(model, leaf_modules)
+        traced = _traced(model, leaf_modules, "compile")
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
     if example_inputs is not None:
-        remat._prepare(_as_tuple(example_inputs))
+        args, kwargs = _example_call(example_inputs)
+        if traced is None:
+            remat._prepare_call(args, kwargs)
+        else:
+            remat._prepare(remat._bind(args, kwargs))
     return remat
 
 
@@ -527,17 +560,17 @@ class _State:
         self.planned: set = set()  # hashes of every signature planned, to see planning repeat
         self.warned = False
         self.last = None
-        self.traced_bindings = attribute_bindings(traced, model)
+        self.traced_bindings = attribute_bindings(traced, model) if traced is not None else ()
 
     def retrace(self, traced: fx.GraphModule | None = None) -> None:
         """Trace again (or take ``traced``, a new trace) and forget every plan: the submodules with
         hooks or the traced code changed."""
-        if traced is None:
+        if traced is None and self.traced is not None:  # (a model captured per call has no trace)
             with _training_mode(self.model):
                 traced = trace(self.model, leaf_modules=self.leaf_modules)
         self.traced = traced
         self.hooks = hooked_modules(self.model)
-        self.traced_bindings = attribute_bindings(self.traced, self.model)
+        self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
         for store in (self.cache, self.emitted, self.timed, self.planned):
             store.clear()
         self.last = None
@@ -612,6 +645,9 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     ``self.scale = 2.0`` into the graph), use the new graph and drop the plans, which are made
     again on the next training step."""
     state = remat._remat
+    if state.traced is None:  # captured per call: capture again on the next training step
+        state.retrace()
+        return
     with _training_mode(state.model):
         new = trace(state.model, leaf_modules=state.leaf_modules)
     if new.code == state.traced.code and _called_modules(new) == _called_modules(state.traced):
@@ -769,9 +805,43 @@ class RematModule(torch.nn.Module):
             state.retrace()
 
     def _compiled_forward(self, *args, **kwargs):
+        if self._remat.traced is None:  # captured per call (torch.export)
+            _, gm, _, captured = self._prepare_call(args, kwargs)
+            return captured.output(gm(*captured.inputs(args, kwargs)))
         inputs = self._bind(args, kwargs)
         gm = self._prepare(inputs)[1]
         return gm(*inputs)
+
+    @torch.compiler.disable
+    def _prepare_call(self, args: tuple, kwargs: dict):
+        """The cache entry ``(plan, emitted module, bindings, capture)`` of ``model(*args,
+        **kwargs)`` for a model captured per call: captured and planned on first sight of the
+        call's signature."""
+        state = self._remat
+        key = ("call",) + _signature((tuple(args), dict(kwargs)))
+        entry = state.cache.get(key)
+        if entry is None:
+            start = time.perf_counter()
+            with _training_mode(state.model):
+                with _stage("capturing", f"{type(state.model).__name__} with torch.export"):
+                    captured = capture_call(state.model, args, kwargs)
+                gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
+                rebind(attribute_bindings(gm, state.model))
+                if state.config.plan is not None:
+                    the_plan = _saved_plan(gm, inputs, state.config, "the plan passed to fxremat.compile")
+                else:
+                    the_plan = _plan_traced(gm, inputs, state.config)[0]
+            emitted = _emit(gm, the_plan)
+            entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
+            log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
+                     type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
+            state.cache[key] = entry
+            while len(state.cache) > state.config.max_plans:
+                state.cache.popitem(last=False)
+        state.cache.move_to_end(key)
+        state.last = entry
+        rebind(entry[2])
+        return entry
 
     def _require_plan(self):
         if self._remat.last is None:

@@ -22,6 +22,7 @@ __all__ = ["CostGraph", "build_graph", "to_networkx", "save_graph", "load_graph"
 # on exact integer arithmetic (identical answers from the Python and Cython kernels).
 TIME_RESOLUTION = 100_000
 LOSS_OUTPUT_COPIES = 2
+_MAX_SCALAR_BYTES = 8  # one element of at most float64: a returned loss
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,11 @@ class CostGraph:
     in ``cost_unit``; ``step_cost`` is one plain forward + backward in the same unit.
     ``loss_bytes`` is what the loss computed from the outputs is assumed to allocate while the
     backward starts: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs (a
-    cross-entropy keeps its log-softmax and allocates its gradient).
+    cross-entropy keeps its log-softmax and allocates its gradient). ``loss_output``: the index of
+    a one-element differentiable output when the model returns its loss (Hugging Face models
+    given ``labels=``): the backward starts from it alone (``loss.backward()``), the other
+    outputs get no gradient and ``loss_bytes`` is 0; -1 when the loss is computed from the
+    outputs.
     ``transient_bytes[v]``: what v needs while its forward runs beyond its output (its
     parameters' gradient for graphs saved earlier); ``bwd_transient_bytes[v]``: what its backward
     needs beyond the gradients it hands its inputs (temporaries, and its parameters' gradients
@@ -68,6 +73,7 @@ class CostGraph:
     step_cost: float
     cost_unit: str
     loss_bytes: int = 0
+    loss_output: int = -1
     anchor: tuple[int, ...] = ()
     uses_rng: tuple[bool, ...] = ()
     order_chains: tuple[tuple[int, ...], ...] = ()
@@ -80,6 +86,13 @@ class CostGraph:
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def gradient_outputs(self) -> tuple[int, ...]:
+        """The outputs the backward starts from with a gradient: the loss output alone when the
+        model returns its loss (``loss_output``), else every differentiable output."""
+        if self.loss_output >= 0:
+            return (self.loss_output,)
+        return tuple(v for v in range(self.n) if self.is_output[v] and self.grad_bytes[v])
 
     def step_transient(self, v: int) -> int:
         """The larger of v's forward and backward transients, plus the gradients of shared
@@ -137,6 +150,9 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
         saved.append(tuple(sorted(owners)))
     shared = _shared_params(gm, node_costs)
+    # A model that returns its loss: one output of one element that takes a gradient (and others).
+    scalars = [r for r in out_roots if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
+    loss_output = scalars[0] if len(scalars) == 1 else -1
     return CostGraph(
         names=tuple(n.name for n in calls),
         preds=tuple(preds),
@@ -159,7 +175,8 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         uses_rng=tuple(c.uses_rng for c in node_costs),
         order_chains=_order_chains(gm.graph, index) + tuple(readers for _, readers in shared),
         anchor=_anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
-        loss_bytes=LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
+        loss_bytes=0 if loss_output >= 0 else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
+        loss_output=loss_output,
     )
 
 

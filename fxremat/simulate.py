@@ -122,7 +122,7 @@ class _SharedParams:
 def _reached(graph: CostGraph) -> set[int]:
     """Nodes whose backward runs: the outputs with a gradient and, backwards, their inputs that
     take one."""
-    reached = {v for v in range(graph.n) if graph.is_output[v] and graph.grad_bytes[v]}
+    reached = set(graph.gradient_outputs())
     for v in reversed(range(graph.n)):
         if v in reached:
             reached.update(p for p in graph.preds[v] if graph.grad_bytes[p])
@@ -193,9 +193,8 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
                 maybe_free(r)
             maybe_free(v)
     grads = _Grads(mem, graph)
-    for v in range(graph.n):
-        if graph.is_output[v] and graph.grad_bytes[v]:
-            grads.give(v, graph.grad_bytes[v])
+    for v in graph.gradient_outputs():
+        grads.give(v, graph.grad_bytes[v])
     mem.note(graph.loss_bytes)
     for s in reversed(range(len(schedule.segments))):
         _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs)

@@ -167,7 +167,7 @@ def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:
     """
     _, events = simulate(graph, schedule, timeline=True)
     forward = sum(len(seg) * (1 if rec else 2) for seg, rec in zip(schedule.segments, schedule.recomputed))
-    out_grads = sum(1 for v in range(graph.n) if graph.is_output[v] and graph.grad_bytes[v])
+    out_grads = len(graph.gradient_outputs())
     return Timeline(tuple(events), forward + out_grads)
 
 

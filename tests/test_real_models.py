@@ -51,6 +51,7 @@ class Case:
     inputs: Callable[[], tuple[tuple, dict]]
     quick: bool = False
     long_sequence: bool = False  # a transformer at seq >= 128: "min" must save >= 40%
+    known_gap: str = ""  # what does not hold yet: the case is expected to fail, strictly
 
 
 def _needs(module: str) -> bool:
@@ -150,14 +151,15 @@ def _cases() -> list[Case]:
     cases = []
     add = lambda name, family, pair, **kw: cases.append(Case(name, family, *pair, **kw))  # noqa: E731
     add("gpt2", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", **_GPT2), quick=True)
-    add("llama-tied", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", **_LLAMA), quick=True)
-    add("bert-mlm", "transformers", _hf_lm("BertConfig", "BertForMaskedLM", **_BERT))
-    add("t5", "transformers", _hf_t5())
-    add("vit-hf", "transformers", _hf_vit())
+    add("llama-tied", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", **_LLAMA),
+        known_gap="plain peak under-predicted by 2.6% (limit 2%); budgets hold")
+    add("bert-mlm", "transformers", _hf_lm("BertConfig", "BertForMaskedLM", **_BERT), quick=True)
+    add("t5", "transformers", _hf_t5(), known_gap="outputs differ from eager under the torch.export capture")
+    add("vit-hf", "transformers", _hf_vit(), quick=True)
     add("gpt2-seq128", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", seq=128, **_GPT2),
         long_sequence=True)
     add("llama-seq128", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", seq=128, **_LLAMA),
-        long_sequence=True)
+        long_sequence=True, known_gap="plain peak under-predicted by 2.5% (limit 2%); budgets hold")
     add("resnet18-droppath", "timm", _timm("resnet18", drop_path_rate=0.1), quick=True)
     add("efficientnet_b0", "timm", _timm("efficientnet_b0"), quick=True)
     add("resnet50-droppath", "timm", _timm("resnet50", drop_path_rate=0.1))
@@ -231,11 +233,10 @@ def _assert_bitwise(name: str, plain, compiled, outs_a, outs_b) -> None:
 
 
 def _compiled(model, budget, args, kwargs):
-    """Compile as a user would: with the example inputs when the model takes positional ones;
-    a model called with keyword arguments plans on its first training step."""
-    if kwargs:
-        return fxremat.compile(model, budget, cost_model="flops")
-    return fxremat.compile(model, budget, example_inputs=args, cost_model="flops")
+    """Compile as a user would, with the example inputs: positional ones as a tuple, keyword
+    ones (input_ids=, labels=, ...) as a dict."""
+    assert not (args and kwargs), "a case takes positional or keyword inputs, not both"
+    return fxremat.compile(model, budget, example_inputs=kwargs or args, cost_model="flops")
 
 
 def check(case: Case, budget) -> dict:
@@ -310,13 +311,10 @@ def test_real_model_trains_exactly_within_budget(case, budget):
     if not _needs(_LIBRARY[case.family]):
         pytest.skip(f"{case.family} is not installed (pip install -e '.[real]')")
     torch.set_num_threads(1)
-    if case.family == "transformers":
-        # Raw Hugging Face models: their decorated forward(*args, **kwargs) does not trace with
-        # torch.fx; capturing them (torch.export, branch `hf`) has not landed. Strict: once it
-        # does, this test fails until the mark goes.
-        with pytest.raises(fxremat.TraceError, match="wrapped by a decorator"):
-            check(case, budget)
-        pytest.xfail("raw Hugging Face models are not captured yet (issue 12 item 5)")
+    if case.known_gap:
+        with pytest.raises(AssertionError):
+            _assert_targets(case, check(case, budget))
+        pytest.xfail(case.known_gap)
     _assert_targets(case, check(case, budget))
 
 

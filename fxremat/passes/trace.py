@@ -537,7 +537,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
 
 
-def _varargs_reason(module: torch.nn.Module) -> str | None:
+def varargs_reason(module: torch.nn.Module) -> str | None:
     """Why torch.fx cannot make placeholders for ``module.forward`` (``None`` where it can): its
     code takes ``*args`` (a decorator's ``wrapper(self, *args, **kwargs)``, as around every
     Hugging Face model's forward), which becomes one placeholder the code cannot unpack."""
@@ -553,7 +553,7 @@ def _varargs_reason(module: torch.nn.Module) -> str | None:
     return f"{type(module).__name__}.forward takes *{code.co_varnames[code.co_argcount]}"
 
 
-def _user_line(exc: BaseException) -> str | None:
+def user_line(exc: BaseException) -> str | None:
     """``file:line (function: code)`` of the innermost frame of ``exc``'s traceback outside torch
     and fxremat: the model's code that failed."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
@@ -571,14 +571,14 @@ def _trace_error(model: torch.nn.Module, failing: str, exc: Exception) -> TraceE
     module's class, the line of its code that failed, and a hint that fits the cause."""
     module = model.get_submodule(failing) if failing else model
     hint = None
-    varargs = _varargs_reason(module)
+    varargs = varargs_reason(module)
     if varargs is not None:
         hint = (f"{varargs}; torch.fx gives *args one placeholder that the code cannot unpack. "
                 + (f"Pass leaf_modules=({failing!r},)" if failing else
                    "Compile a module whose forward names its inputs (for a Hugging Face model, its "
                    "base model's layers, e.g. a wrapper calling model.model.layers), or see the "
                    "README's 'Real models'"))
-    return TraceError(failing, exc, hint, module_class=type(module).__name__, where=_user_line(exc))
+    return TraceError(failing, exc, hint, module_class=type(module).__name__, where=user_line(exc))
 
 
 def _untraceable_message(model: torch.nn.Module, failing: str, exc: Exception) -> str:

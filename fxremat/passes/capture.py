@@ -1,0 +1,118 @@
+"""Capture a model whose ``forward`` torch.fx cannot make placeholders for: :func:`capture_call`.
+
+Hugging Face transformers wraps every model's ``forward`` in decorators whose wrapper takes
+``(self, *args, **kwargs)``; torch.fx gives such a wrapper one ``*args`` placeholder, which the
+wrapper's body cannot unpack, and the whole model is untraceable. Symbolic tracing with the
+decorators unwrapped does not help either: the models' mask builders and loss code branch on
+values (measured on GPT-2, BERT, Llama, T5 and ViT from transformers 5.24: torch.fx fails inside
+the base model on all five, so nothing inside could be recomputed).
+
+Such a model is captured per call instead, with ``torch.export.export(model, args, kwargs,
+strict=False)``, which runs the Python code as written on fake tensors and records the ATen ops
+it reaches (all five models above: 142 to 469 nodes). The exported program is unlifted into a
+GraphModule whose ``get_attr`` nodes read the model's parameters and buffers under their
+qualified names (so :func:`fxremat.runtime.attribute_bindings` keeps them the model's own), with
+flat positional placeholders and a flat tuple output; :class:`Captured` keeps the pytrees to
+flatten a call's ``(args, kwargs)`` into those placeholders and to rebuild the output
+(a ``ModelOutput``, a dict, a tuple) from the graph's results.
+
+The graph is specialised to the call's input shapes and to its non-tensor arguments, so
+:class:`fxremat.RematModule` captures once per input signature. A forward with a ``use_cache``
+parameter that the call does not set gets ``use_cache=False``, as Hugging Face's own training
+with checkpointing does (the output then has no key/value cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.fx._pytree import tree_flatten_spec
+from torch.utils._pytree import TreeSpec, tree_unflatten
+
+from ..errors import TraceError
+from .trace import user_line
+
+__all__ = ["Captured", "capture_call"]
+
+log = logging.getLogger("fxremat")
+
+# Nodes of an exported program that check the inputs against what export saw; the plan cache is
+# keyed by the same properties (shapes, dtypes, devices), so the emitted graph does without them.
+_CHECK_TARGETS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """One captured call: ``graph_module`` takes the call's flattened inputs at ``kept``
+    (tensors and other values the graph reads) and returns the flattened output."""
+
+    graph_module: fx.GraphModule
+    in_spec: TreeSpec
+    out_spec: TreeSpec
+    kept: tuple[int, ...]
+    added_kwargs: dict = field(default_factory=dict)
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple:
+        """The graph's positional inputs for a call with ``args``/``kwargs``."""
+        flat = tree_flatten_spec((tuple(args), {**kwargs, **self.added_kwargs}), self.in_spec)
+        return tuple(flat[i] for i in self.kept)
+
+    def output(self, flat) -> object:
+        """The forward's output (its own pytree: ``ModelOutput``, dict, tuple) from the graph's."""
+        return tree_unflatten(list(flat), self.out_spec)
+
+
+def _added_kwargs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """Keywords the capture sets that the call left out: ``use_cache=False`` in training."""
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" not in params or "use_cache" in kwargs:
+        return {}
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "use_cache" in names[:len(args)]:
+        return {}
+    return {"use_cache": False}
+
+
+def _flat_graph(exported: torch.export.ExportedProgram) -> tuple[fx.GraphModule, tuple[int, ...]]:
+    """The unlifted program with the default codegen: positional placeholders, tuple output,
+    no input checks; placeholders nothing reads are dropped (their indices are not kept)."""
+    unlifted = exported.module()
+    graph = unlifted.graph
+    graph._codegen = fx.graph.CodeGen()
+    for node in list(graph.nodes):
+        if node.op == "call_module" and node.target == "_guards_fn" or node.target in _CHECK_TARGETS:
+            graph.erase_node(node)
+    kept = []
+    for i, node in enumerate([n for n in graph.nodes if n.op == "placeholder"]):
+        if node.users or isinstance(node.meta.get("val"), torch.Tensor):
+            kept.append(i)
+        else:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm = fx.GraphModule(unlifted, graph, type(unlifted).__name__)
+    return gm, tuple(kept)
+
+
+def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """Capture ``model(*args, **kwargs)`` in training mode with ``torch.export`` (see the module
+    docstring). Raises :class:`fxremat.TraceError` naming the model's class and the line of its
+    code that failed."""
+    added = _added_kwargs(model, args, kwargs)
+    if added:
+        log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
+    try:
+        exported = torch.export.export(model, tuple(args), {**kwargs, **added}, strict=False)
+    except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
+        where = user_line(exc)
+        raise TraceError("", exc, module_class=type(model).__name__, where=where, hint=(
+            "torch.export could not capture this call either; make the code at that line work on "
+            "tensors whose values are unknown (no Python branch on a tensor's value), or compile "
+            "the submodules that do the work")) from exc
+    gm, kept = _flat_graph(exported)
+    spec = exported.call_spec
+    return Captured(gm, spec.in_spec, spec.out_spec, kept, added)
