@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -116,6 +117,15 @@ BAD = {
     "not a module": (["plan", "cli_models:not_a_module", "--input", "2x3", "--budget", "0.5"], "not a torch.nn.Module"),
     "measured on fake": (["plan", *MODEL, "--budget", "0.5", "--fake", "--cost-model", "measured"], "--fake"),
     "infeasible budget": (["plan", *MODEL, "--budget", "1kB", "--fake"], "--budget min"),
+    "ambiguous budget": (["plan", *MODEL, "--budget", "800M"], "'800MiB'"),
+    "budget without unit": (["plan", *MODEL, "--budget", "2e9"], "'2e9B'"),
+    "3-d input to a 4-d model": (["plan", "cli_models:small_unet", "--input", "2x3x32", "--budget", "0.5"],
+                                 "cannot run on --input 2x3x32:float32"),
+    "int64 input to a float model": (["plan", "cli_models:small_unet", "--input", "2x3x32x32:int64", "--budget",
+                                      "0.5"], "--input 2x3x32x32:int64"),
+    "json into a missing folder": (["plan", *MODEL, "--budget", "0.5", "--json", "no_such_dir/plan.json"],
+                                   "does not exist"),
+    "plot into a missing folder": (["tradeoff", *MODEL, "--csv", "no_such_dir/c.csv"], "--csv no_such_dir"),
 }
 
 
@@ -217,3 +227,35 @@ def test_bench_measures_plain_and_compiled(in_tests, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "measured peak" in out and "plain" in out and "compiled" in out and "step time" in out
+
+
+def test_output_folders_are_checked_before_any_work(in_tests, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_build", lambda args: pytest.fail("built the model before checking --code"))
+    assert cli.main(["plan", *MODEL, "--budget", "0.5", "--code", "missing_dir/code.py"]) == 2
+    assert "missing_dir" in capsys.readouterr().err
+
+
+def test_bench_bar_shows_the_library_stages_and_the_steps(in_tests, monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(cli._Progress, "DELAY_S", 0.0)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    argv = ["bench", "cli_models:small_unet", "--input", "1x3x16x16", "--budget", "min", "--cost-model", "flops",
+            "--steps", "1"]
+    assert cli.main(argv) == 0
+    shown = term.getvalue()
+    for stage in ("tracing", "profiling", "solving", "emitting", "plain step 2/2", "compiled step 2/2"):
+        assert stage in shown, stage
+    assert not logging.getLogger("fxremat").handlers  # the bar's handler is gone afterwards
+
+
+def test_stage_shows_its_running_time(monkeypatch):
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(cli._Progress, "DELAY_S", 0.0)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    with cli._Progress(2, quiet=False) as progress:
+        progress.stage("profiling 12 nodes")
+        progress._since -= 5  # as if the stage had run for five seconds
+        progress._describe(refresh=True)
+    assert "profiling 12 nodes 5s" in term.getvalue()
