@@ -320,3 +320,30 @@ def test_compile_logs_its_stages_with_times(caplog):
     assert stages == ["tracing", "profiling", "solving", "emitting"]
     done = [r.getMessage() for r in caplog.records if hasattr(r, "fxremat_stage_done")]
     assert len(done) == 4 and all(" done in " in m and m.endswith("s") for m in done)
+
+
+# --------------------------------------------------------------------------------------------
+# item 9: reproducible plans
+# --------------------------------------------------------------------------------------------
+
+def test_flops_cost_model_gives_the_same_plan_in_every_process():
+    """cost_model="flops" is the reproducible choice (README): fresh processes, different hash
+    seeds (set and dict orders of strings change), the same plan."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    code = ("import torch, fxremat\n"
+            "from _models import small_unet\n"
+            "torch.manual_seed(0)\n"
+            "p = fxremat.plan(small_unet(), 0.5, example_inputs=(torch.randn(2, 3, 32, 32),), cost_model='flops')\n"
+            "print(p.predicted_peak_bytes, p.predicted_overhead, p.strategy, [s.nodes for s in p.segments if s.recomputed])\n")
+    here = pathlib.Path(__file__).resolve().parent
+    runs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed,
+                   PYTHONPATH=os.pathsep.join(filter(None, (str(here), os.environ.get("PYTHONPATH")))))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        runs.add(out.stdout)
+    assert len(runs) == 1 and "[(" in runs.pop()
