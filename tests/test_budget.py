@@ -40,7 +40,7 @@ def test_any_text_parses_or_raises_value_error(text):
         budget = parse_budget(text)
     except ValueError:
         return
-    assert budget.minimum or budget.bytes >= 1
+    assert budget.minimum or (budget.bytes is not None and budget.bytes >= 1) or 0 < budget.fraction <= 1
 
 
 # One rule in Python and the CLI (issue 13, item 7): int bytes; float, "0.5", "50%" fractions;
