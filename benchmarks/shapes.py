@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import fxremat
 
-from .run import add_machine_options, set_up_machine
+from .harness import add_machine_options, set_up_machine
 
 LENGTHS = tuple(range(16, 161, 16))  # 10 lengths
 VOCAB = 1000
@@ -60,7 +60,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     add_machine_options(parser)
     args = parser.parse_args(argv)
-    out = set_up_machine(parser, args)
+    out = set_up_machine(parser, args, "benchmarks.shapes").out
     torch.manual_seed(0)
     model = SmallLM()
     plain = copy.deepcopy(model)
