@@ -622,6 +622,35 @@ def _read_after(node: fx.Node, value: fx.Node) -> bool:
     return any(u in later for u in value.users if u is not node)
 
 
+_VIEW_METHODS = frozenset({"view", "view_as", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "select",
+                           "narrow", "t", "transpose", "permute", "expand", "expand_as", "as_strided",
+                           "diagonal", "detach", "__getitem__", "unbind", "split", "chunk", "movedim"})
+_VIEW_FUNCTIONS = frozenset({operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
+                             torch.select, torch.narrow, torch.t, torch.transpose, torch.permute, torch.detach,
+                             torch.unbind, torch.split, torch.chunk, torch.movedim, torch.diagonal})
+
+
+def _writes_state(gm: fx.GraphModule, value: fx.Node) -> bool:
+    """Whether writing ``value`` in place writes a graph input or a module attribute (a buffer):
+    ``value`` is one, or a view of one, or the result of an in-place op on one
+    (``self.running_mean.mul_(0.9).add_(x)``)."""
+    seen = set()
+    while isinstance(value, fx.Node) and value not in seen:
+        seen.add(value)
+        if value.op in ("placeholder", "get_attr"):
+            return True
+        found = _mutated_input(gm, value)
+        if found is not None:
+            value = found[1]
+        elif (value.op == "call_method" and value.target in _VIEW_METHODS) or (
+            value.op == "call_function" and value.target in _VIEW_FUNCTIONS
+        ):
+            value = value.args[0] if value.args else None
+        else:
+            return False
+    return False
+
+
 def normalize_inplace(gm: fx.GraphModule) -> fx.GraphModule:
     """Return a copy of ``gm`` with in-place ops made out of place where that is safe."""
     gm = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
@@ -630,7 +659,7 @@ def normalize_inplace(gm: fx.GraphModule) -> fx.GraphModule:
         if found is None:
             continue
         kind, value = found
-        if value.op in ("placeholder", "get_attr") or _read_after(node, value):
+        if _writes_state(gm, value) or _read_after(node, value):
             log.debug("fxremat: keeping in-place %s (its input is read later)", node.name)
             continue
         if kind == "module":
