@@ -5,6 +5,7 @@ batch. Two ranks run in spawned processes; rank 0 writes its gradients and weigh
 import os
 import socket
 import sys
+import time
 import traceback
 
 import pytest
@@ -21,6 +22,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 WORLD = 2
 BATCH = (8, 3, 16, 16)
 STEPS = 2
+RANK_TIMEOUT_S = 300
 
 
 class Net(nn.Module):
@@ -122,7 +124,13 @@ def _free_port() -> int:
 
 def _run_two_ranks(kind, tmp_path):
     out = tmp_path / f"{kind}.pt"
-    torch.multiprocessing.spawn(_worker, args=(kind, _free_port(), str(out)), nprocs=WORLD)
+    ranks = torch.multiprocessing.spawn(_worker, args=(kind, _free_port(), str(out)), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while not ranks.join(timeout=1):  # raises if a rank failed
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"{kind}: the {WORLD} ranks did not finish within {RANK_TIMEOUT_S} s (killed)")
     result = torch.load(out)
     assert "error" not in result, result.get("error")
     return result
