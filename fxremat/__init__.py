@@ -4,11 +4,10 @@
 ``budget`` and with the least recomputation, for any torch.fx-traceable ``nn.Module``.
 """
 
-from .api import RematModule, compile, plan
+from .api import RematModule, compile, load_plan, plan
 from .errors import InfeasibleBudgetError, PlanBudgetError, TraceError
 from .measure import measure_peak
-from .plan import Plan, Segment
-from .views import load_plan
+from .records import Plan, Segment
 
 __all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "PlanBudgetError", "TraceError",
            "load_plan"]

@@ -14,6 +14,8 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import os
+import re
 import sys
 import time
 import warnings
@@ -26,17 +28,21 @@ from torch.utils._pytree import tree_flatten
 from .budget import parse_budget
 from .errors import PlanBudgetError
 from .graph import CostGraph, build_graph
-from .passes.profile import COST_MODELS, GraphCosts, profile
+from .passes.profile import CALL_OPS, COST_MODELS, GraphCosts, profile
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
 from .passes.trace import hooked_modules, trace, varargs_reason
-from .plan import Plan, Segment
+from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
+from .records import NodeInfo, Plan, Segment, read_plan, validate_plan
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
-from .simulate import Schedule, rerun_time, simulate
-from .views import check_plan, graph_key, node_infos, plan_schedule, predicted_timeline, validate_plan
+from .simulate import Schedule, predicted_timeline, rerun_time, simulate
 
-__all__ = ["compile", "plan", "RematModule"]
+__all__ = ["compile", "plan", "RematModule", "load_plan", "node_infos"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXREMAT_DIR = os.path.dirname(os.path.abspath(__file__))
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*$')
 
 log = logging.getLogger("fxremat")
 
@@ -185,8 +191,8 @@ def _segments_of(graph: CostGraph, schedule) -> tuple[Segment, ...]:
 
 
 def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), key: str = "") -> Plan:
-    """The Plan of ``choice``; ``nodes`` (:func:`fxremat.views.node_infos`) and ``key``
-    (:func:`fxremat.views.graph_key`) feed :meth:`Plan.explain` and :meth:`Plan.save`."""
+    """The Plan of ``choice``; ``nodes`` (:func:`node_infos`) and ``key``
+    (:func:`fxremat.identity.graph_key`) feed :meth:`Plan.explain` and :meth:`Plan.save`."""
     segments = _segments_of(graph, choice.schedule)
     timeline = predicted_timeline(graph, choice.schedule)
     return Plan(
@@ -865,3 +871,67 @@ class RematModule(torch.nn.Module):
     def code(self) -> str:
         """Python source of the emitted forward, followed by each recomputed segment's code."""
         return emitted_code(self.graph_module, type(self._remat.model).__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# What the Plan records per node; loading a saved plan
+# --------------------------------------------------------------------------------------------
+
+def _user_frame(stack_trace: str) -> tuple[str, str]:
+    """``("file:line", code)`` of the innermost frame outside torch and fxremat."""
+    lines = stack_trace.splitlines()
+    found = ("", "")
+    for i, text in enumerate(lines):
+        match = _FRAME.match(text)
+        if match is None:
+            continue
+        path = os.path.abspath(match["file"])
+        if path.startswith((_TORCH_DIR + os.sep, _FXREMAT_DIR + os.sep)):
+            continue
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) else ""
+        found = (f"{match['file']}:{match['line']}", code)
+    return found
+
+
+def _module_of(gm: fx.GraphModule, node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if stack:
+        path, cls = list(stack.values())[-1]
+        name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        return f"{path} ({name.rsplit('.', 1)[-1]})"
+    if node.op == "call_module":
+        return f"{node.target} ({type(gm.get_submodule(node.target)).__name__})"
+    return ""
+
+
+def node_infos(gm: fx.GraphModule, costs: GraphCosts) -> tuple[NodeInfo, ...]:
+    """A :class:`NodeInfo` per call node of ``gm``, in graph order."""
+    by_name = {c.name: c for c in costs.nodes}
+    infos = []
+    for node in gm.graph.nodes:
+        if node.op not in CALL_OPS:
+            continue
+        cost = by_name[node.name]
+        source, code = _user_frame(node.meta.get("stack_trace") or "")
+        infos.append(NodeInfo(name=node.name, out_bytes=cost.out_bytes, root=cost.root,
+                              module=_module_of(gm, node) or cost.module, source=source, code=code,
+                              mutated_buffers=cost.mutated_buffers))
+    return tuple(infos)
+
+
+def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None, leaf_modules=()) -> Plan:
+    """Read a plan written by :meth:`Plan.save`, checking the type and value of every field
+    (``ValueError`` naming the file and the field).
+
+    With ``model`` and ``example_inputs`` it also checks that the plan was made for them (the
+    model is traced as :func:`fxremat.compile` traces it, with ``leaf_modules``) and raises
+    :class:`PlanMismatchError` otherwise. What the current model determines (mutated buffers,
+    kept bytes, peaks) is derived again when the plan is used (``plan=``).
+    """
+    plan = read_plan(path)
+    if model is not None or example_inputs is not None:
+        if model is None or example_inputs is None:
+            raise TypeError("fxremat.load_plan: pass both model= and example_inputs= to check the plan, or neither")
+        inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        check_plan(plan, trace(model, leaf_modules=leaf_modules), inputs, origin=f"plan {path}")
+    return plan

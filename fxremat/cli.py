@@ -27,15 +27,16 @@ import warnings
 
 import torch
 
-from .api import _emit, _plan_from, emitted_code
+from .api import _emit, _plan_from, emitted_code, node_infos
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError, TraceError, format_bytes
 from .graph import build_graph
-from .measure import measure_peak
+from .identity import graph_key
+from .measure import default_loss, measure_peak
 from .passes.profile import COST_MODELS, preserved_state, profile
 from .passes.trace import trace
-from .planner import DEFAULT_EXACT_CAP, STRATEGIES, choose
-from .views import default_loss, graph_key, node_infos, plot_timeline, plot_tradeoff, tradeoff, write_csv
+from .planner import DEFAULT_EXACT_CAP, STRATEGIES, choose, tradeoff, write_csv
+from .plots import plot_timeline, plot_tradeoff
 
 __all__ = ["main", "build_parser"]
 

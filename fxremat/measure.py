@@ -12,10 +12,13 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveStorageTracker", "measure_peak"]
+from .records import Timeline
+
+__all__ = ["LiveStorageTracker", "measure_peak", "default_loss", "measure_timeline"]
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -103,3 +106,49 @@ def measure_peak(fn, *args, **kwargs):
         torch.cuda.synchronize()
         return result, torch.cuda.max_memory_allocated() - start
     return result, tracker.peak_bytes
+
+
+def default_loss(out) -> torch.Tensor:
+    """A cross-entropy against class 0 for every float output with a class dimension, a sum for
+    other outputs (fxremat's prediction assumes a cross-entropy-like loss)."""
+    parts = []
+    for t in tree_flatten(out)[0]:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            continue
+        if t.is_floating_point() and t.dim() >= 2:
+            target = torch.zeros(t.shape[0], *t.shape[2:], dtype=torch.long, device=t.device)
+            parts.append(F.cross_entropy(t, target))
+        else:
+            parts.append(t.float().sum())
+    if not parts:
+        raise ValueError("fxremat: the model's output has no tensor that requires grad; nothing to backpropagate")
+    return sum(parts[1:], parts[0])
+
+
+class _TimelineTracker(LiveStorageTracker):
+    def __init__(self):
+        super().__init__()
+        self.events: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.events.append(self.live_bytes)
+        return out
+
+
+def measure_timeline(model, *inputs, loss_fn=default_loss) -> Timeline:
+    """Run one forward + backward of ``model`` and return the live bytes after every op.
+
+    Parameters without ``.grad`` get a zero one first, so parameter gradients stay outside the
+    measurement as they are outside the plan's budget; the backward accumulates into ``.grad``.
+    """
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    tracker = _TimelineTracker()
+    with tracker:
+        loss = loss_fn(model(*inputs))
+        start = len(tracker.events)
+        loss.backward()
+        del loss
+    return Timeline(tuple(tracker.events), start)

@@ -18,16 +18,18 @@ from .budget import Budget
 from .errors import InfeasibleBudgetError
 from .graph import CostGraph
 from .lowersets import all_lower_sets, bits, pruned_family
+from .records import PLAN_STRATEGIES
 from .simulate import Schedule, rerun_time, simulate
 from . import _kernels
 from .solvers import chen, hong, kusumoto, rotor
 from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
 
-__all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP", "DEFAULT_ROTOR_SLOTS"]
+__all__ = ["Choice", "choose", "STRATEGIES", "DEFAULT_EXACT_CAP", "DEFAULT_ROTOR_SLOTS", "TradeoffPoint", "tradeoff",
+           "write_csv"]
 
 log = logging.getLogger("fxremat")
 
-STRATEGIES = ("auto", "exact", "approx", "rotor", "chen", "hong", "sequential", "none")
+STRATEGIES = ("auto", *PLAN_STRATEGIES)
 _KUSUMOTO = ("auto", "exact", "approx")  # strategies that run the Kusumoto DP
 DEFAULT_ROTOR_SLOTS = 500  # Beaumont et al.'s S
 DEFAULT_EXACT_CAP = None  # 20,000 lower sets with the compiled kernels, 2,000 with the reference
@@ -348,3 +350,64 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     best = picks[name]
     return Choice(best.schedule, name, "time-centric", target, baseline, best.peak_bytes,
                   best.recompute_time, seconds(), sets, notes)
+
+
+# --------------------------------------------------------------------------------------------
+# the memory/overhead trade-off sweep
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    """One plan on the memory/overhead curve."""
+
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_overhead: float
+    strategy: str
+    num_segments: int
+    recomputed_nodes: int
+
+
+def _point(graph: CostGraph, budget: Budget, strategy: str, exact_cap: int) -> TradeoffPoint:
+    choice = choose(graph, budget, strategy=strategy, exact_cap=exact_cap)
+    recomputed = sum(len(s) for s, r in zip(choice.schedule.segments, choice.schedule.recomputed) if r)
+    return TradeoffPoint(choice.budget_bytes, choice.peak_bytes,
+                         choice.recompute_time * graph.time_unit / graph.step_cost, choice.strategy,
+                         len(choice.schedule.segments), recomputed)
+
+
+def _pareto(points) -> tuple[TradeoffPoint, ...]:
+    front, best_peak = [], None
+    for p in sorted(points, key=lambda p: (p.predicted_overhead, p.predicted_peak_bytes)):
+        if best_peak is None or p.predicted_peak_bytes < best_peak:
+            front.append(p)
+            best_peak = p.predicted_peak_bytes
+    return tuple(front)
+
+
+def tradeoff(graph: CostGraph, *, points: int = 12, strategy: str = "auto", exact_cap: int = DEFAULT_EXACT_CAP,
+             on_point=None) -> tuple[TradeoffPoint, ...]:
+    """The least predicted peak for each predicted overhead: plans for ``points`` budgets spaced
+    evenly from the smallest feasible peak to the peak without recomputation, keeping those no
+    other plan beats on both. Sorted by overhead (the plain plan first). ``on_point()`` is
+    called after each solve (for progress bars)."""
+    if points < 2:
+        raise ValueError(f"fxremat.planner.tradeoff: points must be at least 2, got {points}")
+    least = _point(graph, Budget(minimum=True), strategy, exact_cap)
+    plain = _point(graph, Budget(fraction=1.0), strategy, exact_cap)
+    found = [least, plain]
+    lo, hi = least.predicted_peak_bytes, plain.predicted_peak_bytes
+    for i in range(1, points - 1):
+        found.append(_point(graph, Budget(bytes=lo + (hi - lo) * i // (points - 1)), strategy, exact_cap))
+        if on_point is not None:
+            on_point()
+    return _pareto(found)
+
+
+def write_csv(points, path) -> None:
+    """Write tradeoff points as CSV, one row per plan."""
+    names = [f.name for f in dataclasses.fields(TradeoffPoint)]
+    with open(path, "w") as f:
+        f.write(",".join(names) + "\n")
+        for p in points:
+            f.write(",".join(str(getattr(p, n)) for n in names) + "\n")

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .graph import CostGraph
+from .records import Timeline
 
-__all__ = ["Schedule", "simulate"]
+__all__ = ["Schedule", "simulate", "predicted_timeline"]
 
 
 @dataclass(frozen=True)
@@ -391,3 +392,16 @@ def _release_segment(graph, s, holds, pending, outputs, mem) -> None:
             holds[r].discard(("segment", s))
             if not pending[r] and not holds[r] and r not in outputs:
                 mem.free(("f", r))
+
+
+def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:
+    """The simulator's memory after each event, and where the backward starts.
+
+    :func:`fxremat.simulate.simulate` records one event per forward allocation (two per node of
+    a plain segment: its output and its extra saved buffers), one per output gradient, then the
+    loss: that event is ``backward_start``.
+    """
+    _, events = simulate(graph, schedule, timeline=True)
+    forward = sum(len(seg) * (1 if rec else 2) for seg, rec in zip(schedule.segments, schedule.recomputed))
+    out_grads = len(graph.gradient_outputs())
+    return Timeline(tuple(events), forward + out_grads)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import fxremat
-from fxremat.views import PlanMismatchError
+from fxremat.identity import PlanMismatchError
 from _models import assert_same_state, loss_of, pair, train_step, with_grads
 
 X = torch.randn(2, 3, 16, 16)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 import fxremat
-from fxremat import views
+from fxremat import identity, measure, planner, plots, simulate
 from fxremat.budget import parse_budget
 from fxremat.graph import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.trace import trace
-from fxremat.plan import Plan, Timeline
+from fxremat.records import Plan, Timeline
 from fxremat.planner import choose
 
 from _models import small_unet
@@ -89,7 +89,7 @@ def test_timeline_peak_is_the_predicted_peak(plan):
 
 def test_backward_starts_at_the_loss(graph):
     choice = choose(graph, parse_budget(0.6))
-    tl = views.predicted_timeline(graph, choice.schedule)
+    tl = simulate.predicted_timeline(graph, choice.schedule)
     assert graph.loss_bytes > 0
     assert tl.bytes[tl.backward_start] - tl.bytes[tl.backward_start - 1] == graph.loss_bytes
     assert tl.peak_bytes == choice.peak_bytes
@@ -98,7 +98,7 @@ def test_backward_starts_at_the_loss(graph):
 def test_measured_timeline_of_the_compiled_model(model):
     x = torch.randn(1, 3, 16, 16)
     compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
-    measured = views.measure_timeline(compiled, x)
+    measured = measure.measure_timeline(compiled, x)
     assert 0 < measured.backward_start < len(measured.bytes)
     assert 0 < measured.peak_bytes <= 1.05 * compiled.plan.predicted_peak_bytes
     for p in model.parameters():
@@ -115,10 +115,10 @@ def test_plot_timeline_writes_png(plan, tmp_path):
 def test_default_loss():
     logits = torch.randn(2, 3, 4, requires_grad=True)
     vector = torch.randn(5, requires_grad=True)
-    loss = views.default_loss((logits, vector))
+    loss = measure.default_loss((logits, vector))
     assert loss.dim() == 0 and loss.requires_grad
     with pytest.raises(ValueError, match="requires grad"):
-        views.default_loss(torch.randn(2, 3))
+        measure.default_loss(torch.randn(2, 3))
 
 
 # --------------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_load_checks_the_graph(plan, model, x, tmp_path):
     path = tmp_path / "plan.json"
     plan.save(path)
     assert fxremat.load_plan(path, model=model, example_inputs=x).summary() == plan.summary()
-    with pytest.raises(views.PlanMismatchError, match="another graph or input signature"):
+    with pytest.raises(identity.PlanMismatchError, match="another graph or input signature"):
         fxremat.load_plan(path, model=model, example_inputs=torch.randn(4, 3, 32, 32))
     again = fxremat.plan(model, 0.5, example_inputs=(x,), cost_model="flops")
     assert again.graph_key == plan.graph_key  # same model, same input: same key
@@ -163,19 +163,19 @@ def test_plan_for_another_graph_is_refused(plan, x, tmp_path):
 
     path = tmp_path / "plan.json"
     plan.save(path)
-    with pytest.raises(views.PlanMismatchError, match=r"plan .*plan\.json was made for another graph"):
+    with pytest.raises(identity.PlanMismatchError, match=r"plan .*plan\.json was made for another graph"):
         fxremat.load_plan(path, model=cli_models.wide_unet(), example_inputs=(x,))
 
 
 def test_graph_key_covers_code_widths_and_inputs(model, x):
     gm = trace(model)
-    key = views.graph_key(gm, (x,))
-    assert key == views.graph_key(trace(model), (x.clone(),))
-    assert key != views.graph_key(gm, (x.double(),))
-    assert key != views.graph_key(gm, (x[:1],))
+    key = identity.graph_key(gm, (x,))
+    assert key == identity.graph_key(trace(model), (x.clone(),))
+    assert key != identity.graph_key(gm, (x.double(),))
+    assert key != identity.graph_key(gm, (x[:1],))
     import cli_models
 
-    assert key != views.graph_key(trace(cli_models.wide_unet()), (x,))
+    assert key != identity.graph_key(trace(cli_models.wide_unet()), (x,))
 
 
 class _Scaled(torch.nn.Module):
@@ -189,12 +189,12 @@ class _Scaled(torch.nn.Module):
 
 def test_graph_key_counts_omitted_inputs_as_their_defaults():
     gm, x = trace(_Scaled()), torch.randn(2, 3)
-    assert views.graph_key(gm, (x,)) == views.graph_key(gm, (x, 2)) != views.graph_key(gm, (x, 3))
+    assert identity.graph_key(gm, (x,)) == identity.graph_key(gm, (x, 2)) != identity.graph_key(gm, (x, 3))
 
 
 def test_check_plan_without_key(plan, model, x):
-    with pytest.raises(views.PlanMismatchError, match="no graph key"):
-        views.check_plan(dataclasses.replace(plan, graph_key=""), trace(model), (x,))
+    with pytest.raises(identity.PlanMismatchError, match="no graph key"):
+        identity.check_plan(dataclasses.replace(plan, graph_key=""), trace(model), (x,))
     with pytest.raises(ValueError, match="graph_key"):
         dataclasses.replace(plan, graph_key="").save("unused.json")
 
@@ -218,20 +218,20 @@ def test_load_rejects_other_files(plan, tmp_path):
 # --------------------------------------------------------------------------------------------
 
 def test_tradeoff_is_a_pareto_curve(graph, tmp_path):
-    points = views.tradeoff(graph, points=6)
+    points = planner.tradeoff(graph, points=6)
     least = choose(graph, parse_budget("min"))
     assert points[0].strategy == "none" and points[0].predicted_overhead == 0.0
     assert points[-1].predicted_peak_bytes == least.peak_bytes
     for a, b in zip(points, points[1:]):
         assert a.predicted_overhead <= b.predicted_overhead and a.predicted_peak_bytes > b.predicted_peak_bytes
-    views.write_csv(points, tmp_path / "curve.csv")
+    planner.write_csv(points, tmp_path / "curve.csv")
     assert len((tmp_path / "curve.csv").read_text().splitlines()) == len(points) + 1
     with pytest.raises(ValueError, match="points"):
-        views.tradeoff(graph, points=1)
+        planner.tradeoff(graph, points=1)
 
 
 def test_plot_tradeoff_writes_png(graph, tmp_path):
     pytest.importorskip("matplotlib")
-    points = views.tradeoff(graph, points=3)
-    views.plot_tradeoff(points, tmp_path / "curve.png")
+    points = planner.tradeoff(graph, points=3)
+    plots.plot_tradeoff(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").read_bytes()[:8] == PNG_HEADER

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import LiveStorageTracker
+from ..records import PLAN_COST_MODELS
 from .state import StateWrites
 from .trace import is_torch_hook
 
@@ -53,7 +54,7 @@ __all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MOD
 
 log = logging.getLogger("fxremat")
 
-COST_MODELS = ("measured", "flops", "uniform")
+COST_MODELS = PLAN_COST_MODELS
 CALL_OPS = ("call_module", "call_function", "call_method")
 # FLOP-equivalents charged per byte read or written, so memory-bound ops (BN, ReLU, pooling)
 # are not free under cost_model="flops" (roughly an accelerator's flop/byte balance).
