@@ -2,8 +2,8 @@
 
 Each model is built and run under ``FakeTensorMode`` (no memory is allocated), traced with
 :func:`fxremat.passes.trace.trace`, profiled with ``cost_model="flops"`` and turned into a
-:class:`~fxremat.graph.CostGraph` written to ``benchmarks/fixtures/<name>.json`` with
-:func:`~fxremat.graph.save_graph`. :mod:`benchmarks.solver_speed` then needs neither the models
+:class:`~fxremat.core.CostGraph` written to ``benchmarks/fixtures/<name>.json`` with
+:func:`~fxremat.core.save_graph`. :mod:`benchmarks.solver_speed` then needs neither the models
 nor torchvision.
 
 Batch sizes are those of the paper's Table 1 (224×224 inputs; Inception-v3 at 299×299, which
@@ -28,7 +28,8 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fxremat.graph import build_graph, save_graph
+from fxremat.core import save_graph
+from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.trace import trace
 

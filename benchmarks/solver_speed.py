@@ -58,7 +58,7 @@ def _solution(sol):
 def measure(net: str, family: str, impl: str, repeats: int) -> dict:
     """Times (s) and answers of one (net, family, implementation)."""
     from fxremat import _kernels
-    from fxremat.graph import load_graph
+    from fxremat.core import load_graph
     from fxremat.lowersets import all_lower_sets, pruned_family
     from fxremat.solvers import kusumoto
 
@@ -82,7 +82,7 @@ def measure_planner(net: str, family: str) -> dict:
     """DP seconds of one planner.choose call (compiled), and what the default cap does."""
     from fxremat import _kernels, planner
     from fxremat.budget import parse_budget
-    from fxremat.graph import load_graph
+    from fxremat.core import load_graph
     from fxremat.lowersets import all_lower_sets
 
     graph = load_graph(os.path.join(FIXTURES, f"{net}.json"))

@@ -27,16 +27,17 @@ from torch.utils._pytree import tree_flatten
 
 from .budget import parse_budget
 from .errors import PlanBudgetError
-from .graph import CostGraph, build_graph
-from .passes.profile import CALL_OPS, COST_MODELS, GraphCosts, profile
+from .core import CostGraph, Schedule
+from .passes.lower import build_graph
+from .passes.profile import COST_MODELS, GraphCosts, profile
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import hooked_modules, trace, varargs_reason
+from .passes.trace import CALL_OPS, hooked_modules, module_of, trace, varargs_reason
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, read_plan, validate_plan
 from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
-from .simulate import Schedule, predicted_timeline, rerun_time, simulate
+from .simulate import predicted_timeline, rerun_time, simulate
 
 __all__ = ["compile", "plan", "RematModule", "load_plan", "node_infos"]
 
@@ -244,7 +245,7 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str)
         costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
         graph = build_graph(gm, costs)
         schedule = plan_schedule(saved, graph, origin=origin)
-        baseline = simulate(graph, Schedule((tuple(range(graph.n)),), (False,)))
+        baseline = simulate(graph, Schedule.plain(graph.n))
         peak = simulate(graph, schedule)
     target = config.budget.resolve(baseline)
     if target is None and saved.objective != "memory-centric":
@@ -518,7 +519,7 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
     ``budget="min"``, the solvers run again on these bytes (no timing, no measured profiling)."""
     costs = _sized_costs(timed, profile(gm, inputs, cost_model="uniform", repeats=1))
     graph = build_graph(gm, costs)
-    baseline = simulate(graph, Schedule((tuple(range(graph.n)),), (False,)))
+    baseline = simulate(graph, Schedule.plain(graph.n))
     target = config.budget.resolve(baseline)
     best = None
     for plan_ in kept if target is not None else ():
@@ -894,14 +895,8 @@ def _user_frame(stack_trace: str) -> tuple[str, str]:
 
 
 def _module_of(gm: fx.GraphModule, node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if stack:
-        path, cls = list(stack.values())[-1]
-        name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
-        return f"{path} ({name.rsplit('.', 1)[-1]})"
-    if node.op == "call_module":
-        return f"{node.target} ({type(gm.get_submodule(node.target)).__name__})"
-    return ""
+    path, cls = module_of(gm, node)
+    return f"{path} ({cls})" if cls else path
 
 
 def node_infos(gm: fx.GraphModule, costs: GraphCosts) -> tuple[NodeInfo, ...]:

@@ -30,7 +30,7 @@ import torch
 from .api import _emit, _plan_from, emitted_code, node_infos
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError, TraceError, format_bytes
-from .graph import build_graph
+from .passes.lower import build_graph
 from .identity import graph_key
 from .measure import default_loss, measure_peak
 from .passes.profile import COST_MODELS, preserved_state, profile

@@ -14,7 +14,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .records import Plan
-from .simulate import Schedule
+from .core import Schedule
 
 __all__ = ["graph_key", "check_plan", "plan_schedule", "PlanMismatchError"]
 

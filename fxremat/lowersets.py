@@ -80,7 +80,7 @@ def _groups(preds, anchor):
     """Quotient DAG of tied nodes: (node bitset per group, group preds), groups numbered in
     topological order (by least anchor when several are ready)."""
     n = len(preds)
-    anchor = list(anchor) if anchor else list(range(n))  # () is CostGraph's "no ties"
+    anchor = list(anchor) if anchor is not None else list(range(n))
 
     def find(v):
         while anchor[v] != v:
@@ -120,7 +120,7 @@ def _topological(gpreds) -> list[int]:
                 heapq.heappush(ready, s)
     if len(order) != len(gpreds):
         raise ValueError("fxremat.lowersets: the anchors tie nodes into a cyclic quotient DAG; "
-                         "each group's anchor must precede its members (see fxremat.graph._anchors)")
+                         "each group's anchor must precede its members (see fxremat.core.anchors)")
     return order
 
 

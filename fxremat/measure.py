@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .records import Timeline
+from .core import Timeline
 
 __all__ = ["LiveStorageTracker", "measure_peak", "default_loss", "measure_timeline"]
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from .budget import Budget
 from .errors import InfeasibleBudgetError
-from .graph import CostGraph
-from .lowersets import all_lower_sets, bits, pruned_family
+from .core import CostGraph, Schedule
+from .lowersets import all_lower_sets, pruned_family
 from .records import PLAN_STRATEGIES
-from .simulate import Schedule, rerun_time, simulate
+from .simulate import rerun_time, simulate
 from . import _kernels
 from .solvers import chen, hong, kusumoto, rotor
 from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
@@ -61,81 +61,30 @@ class _Candidate:
     recompute_time: int
 
 
-def _group_ancestors(gpreds: dict, g: int) -> set:
-    seen, stack = set(), [g]
-    while stack:
-        for p in gpreds.get(stack.pop(), ()):
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
-    return seen
-
-
-def ordered_preds(graph: CostGraph) -> tuple[tuple[int, ...], ...]:
-    """Predecessors plus precedence edges that keep, for every value with two or more
-    consumers, its consumers in traced order. Autograd sums a value's gradient contributions in
-    the order its consumers ran; with three or more terms another order changes the float sum,
-    so strategies whose lower sets respect these edges give bitwise-equal gradients. So are the
-    consumers of a graph input or parameter and the calls of a shared module
-    (``graph.order_chains``), and the nodes that draw random numbers (dropout masks). An
-    edge that would close a cycle among tied groups is left out."""
-    anchor = graph.anchor or tuple(range(graph.n))
-    preds = [set(ps) for ps in graph.preds]
-    gpreds: dict[int, set] = {}
-    for v, ps in enumerate(graph.preds):
-        gpreds.setdefault(anchor[v], set()).update(anchor[p] for p in ps if anchor[p] != anchor[v])
-    chains = [sorted(graph.succs[v]) for v in range(graph.n) if len(graph.succs[v]) >= 2]  # a consumer may use a value twice
-    chains.append([v for v in range(graph.n) if graph.uses_rng and graph.uses_rng[v]])
-    chains += [list(c) for c in graph.order_chains]
-    for users in chains:
-        for a, b in zip(users, users[1:]):
-            ga, gb = anchor[a], anchor[b]
-            if ga == gb or gb in _group_ancestors(gpreds, ga):
-                continue
-            preds[b].add(a)
-            gpreds.setdefault(gb, set()).add(ga)
-    return tuple(tuple(sorted(ps)) for ps in preds)
-
-
-def _ordered_graph(graph: CostGraph) -> CostGraph:
-    """``graph`` with :func:`ordered_preds` as its edges (for choosing lower sets only)."""
-    preds = ordered_preds(graph)
-    succs = [[] for _ in preds]
-    for v, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(v)
-    return dataclasses.replace(graph, preds=preds, succs=tuple(tuple(x) for x in succs),
-                               data_succs=graph.data_succs or graph.succs)
-
-
 def resolve_exact_cap(cap: int | None) -> int:
     """The cap on lower sets for the exact DP: ``cap``, or the default of the kernels in use."""
     return _EXACT_CAP[_kernels.current()] if cap is None else cap
 
 
-def _family(graph: CostGraph, strategy: str, cap: int | None):
+def _family(graph: CostGraph, strategy: str, cap: int | None) -> tuple[list[int], str, str | None]:
+    """The lower sets the DP searches: ``(family, "exact" or "approx", note)``; the note says why
+    ``"exact"`` fell back to the approximate family (more than ``cap`` lower sets)."""
     cap = resolve_exact_cap(cap)
-    preds = ordered_preds(graph)
+    preds = graph.ordered_preds
     if strategy == "approx":
-        return pruned_family(preds, anchor=graph.anchor), "approx"
+        return pruned_family(preds, anchor=graph.anchor), "approx", None
     family = all_lower_sets(preds, cap=cap, anchor=graph.anchor)
     if family is not None:
-        return family, "exact"
+        return family, "exact", None
     if strategy == "exact":
         raise ValueError(
             f"fxremat: strategy='exact' needs more than exact_cap={cap} lower sets for this graph "
             f"({graph.n} nodes); raise exact_cap= or use strategy='approx' or 'auto'"
         )
     log.info("fxremat: more than exact_cap=%d lower sets in this graph; using the approximate DP", cap)
-    return pruned_family(preds, anchor=graph.anchor), "approx (exact capped)"
-
-
-def _schedule(lower_sets) -> Schedule:
-    segments, prev = [], 0
-    for mask in lower_sets:
-        segments.append(tuple(bits(mask & ~prev)))
-        prev = mask
-    return Schedule(tuple(segments), tuple([True] * (len(segments) - 1) + [False]))
+    note = (f"the exact DP was skipped: this graph has more than exact_cap={cap} lower sets "
+            "(raise exact_cap= to force it)")
+    return pruned_family(preds, anchor=graph.anchor), "approx", note
 
 
 def recompute_time(graph: CostGraph, sched: Schedule) -> int:
@@ -145,27 +94,8 @@ def recompute_time(graph: CostGraph, sched: Schedule) -> int:
                for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)) if rec)
 
 
-def _candidate(graph: CostGraph, solution) -> _Candidate | None:
-    if solution is None:
-        return None
-    sched = _schedule(solution.lower_sets)
+def _candidate(graph: CostGraph, sched: Schedule) -> _Candidate:
     return _Candidate(sched, simulate(graph, sched), recompute_time(graph, sched))
-
-
-class _Solver:
-    """Runs DP solves over one family and accumulates the time spent in them."""
-
-    def __init__(self, graph: CostGraph, family):
-        self.graph = graph
-        self.tables = kusumoto.build_tables(graph, family)
-        self.seconds = 0.0
-
-    def __call__(self, budget=None, objective="time"):
-        """Return ``(dp_solution, simulated candidate)``, both ``None`` when infeasible."""
-        start = time.perf_counter()
-        sol = kusumoto.solve(self.graph, self.tables, budget=budget, objective=objective)
-        self.seconds += time.perf_counter() - start
-        return sol, _candidate(self.graph, sol)
 
 
 def _better(a: _Candidate | None, b: _Candidate | None) -> _Candidate | None:
@@ -174,66 +104,110 @@ def _better(a: _Candidate | None, b: _Candidate | None) -> _Candidate | None:
     return min(a, b, key=lambda c: (c.recompute_time, c.peak_bytes))
 
 
-def _least_peak(solver: _Solver) -> _Candidate:
-    """The least simulated peak among the memory-centric plan and time-centric ones near it."""
-    sol, best = solver(objective="memory")
-    for factor in _MIN_LADDER:
-        _, cand = solver(int(sol.peak_bytes * factor))
-        if cand is not None and (cand.peak_bytes, cand.recompute_time) < (best.peak_bytes, best.recompute_time):
-            best = cand
-    return best
+class _Source:
+    """Where a strategy's candidate plans come from. Every source answers the same two
+    questions — its least simulated peak, and its fastest plan within a budget — and counts the
+    seconds spent in its solver (``seconds``)."""
 
-
-def _fastest_within(solver: _Solver, budget: int, least: _Candidate) -> _Candidate:
-    """Bisect the DP budget in [budget, DP peak of no recomputation] for the fastest plan that
-    the simulator puts within ``budget``."""
-    best = least if least.peak_bytes <= budget else None
-    plain_sol, _ = solver()
-    lo, hi = budget, max(budget, plain_sol.peak_bytes)
-    _, cand = solver(lo)
-    if cand is not None and cand.peak_bytes <= budget:
-        best = _better(best, cand)
-    for _ in range(_BISECT_STEPS):
-        if hi - lo <= max(1, budget // 256):
-            break
-        mid = (lo + hi) // 2
-        _, cand = solver(mid)
-        if cand is not None and cand.peak_bytes <= budget:
-            best, lo = _better(best, cand), mid
-        else:
-            hi = mid
-    return best
-
-
-class _Fixed:
-    """Candidates given up front (the chain baselines), each simulated once."""
-
-    def __init__(self, graph: CostGraph, sequences):
-        start = time.perf_counter()
-        self.cands = [_candidate(graph, kusumoto.Solution(seq, 0, 0)) for seq in sequences]
-        self.seconds = time.perf_counter() - start
+    seconds: float = 0.0
 
     def least(self) -> _Candidate | None:
-        return min(self.cands, key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
+        """The candidate with the least simulated peak (then the least recompute time)."""
+        raise NotImplementedError
 
-    def fastest_within(self, budget: int) -> _Candidate | None:
-        best = None
-        for c in self.cands:
-            if c.peak_bytes <= budget:
-                best = _better(best, c)
+    def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
+        """The least recompute time among candidates simulated within ``budget`` (``least`` is
+        this source's :meth:`least`, which fits)."""
+        raise NotImplementedError
+
+
+class _KusumotoDP(_Source):
+    """The Kusumoto DP over one family of lower sets. Its per-step memory is an upper bound, so
+    the DP budget is searched: the simulator decides what fits."""
+
+    def __init__(self, graph: CostGraph, family):
+        self.graph = graph
+        self.tables = kusumoto.build_tables(graph, family)
+        self.seconds = 0.0
+
+    def _solve(self, budget=None, objective="time"):
+        """Return ``(dp_solution, simulated candidate)``, both ``None`` when infeasible."""
+        start = time.perf_counter()
+        sol = kusumoto.solve(self.graph, self.tables, budget=budget, objective=objective)
+        self.seconds += time.perf_counter() - start
+        if sol is None:
+            return None, None
+        return sol, _candidate(self.graph, Schedule.from_lower_sets(sol.lower_sets))
+
+    def least(self) -> _Candidate:
+        """The memory-centric plan, or a time-centric one near it that simulates lower."""
+        sol, best = self._solve(objective="memory")
+        for factor in _MIN_LADDER:
+            _, cand = self._solve(int(sol.peak_bytes * factor))
+            if cand is not None and (cand.peak_bytes, cand.recompute_time) < (best.peak_bytes, best.recompute_time):
+                best = cand
+        return best
+
+    def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
+        """Bisect the DP budget in [budget, DP peak of no recomputation]."""
+        best = least if least.peak_bytes <= budget else None
+        plain_sol, _ = self._solve()
+        lo, hi = budget, max(budget, plain_sol.peak_bytes)
+        _, cand = self._solve(lo)
+        if cand is not None and cand.peak_bytes <= budget:
+            best = _better(best, cand)
+        for _ in range(_BISECT_STEPS):
+            if hi - lo <= max(1, budget // 256):
+                break
+            mid = (lo + hi) // 2
+            _, cand = self._solve(mid)
+            if cand is not None and cand.peak_bytes <= budget:
+                best, lo = _better(best, cand), mid
+            else:
+                hi = mid
         return best
 
 
-class _Rotor:
+class _Enumerated(_Source):
+    """A source with a finite list of candidates (:meth:`candidates`), each simulated once."""
+
+    def candidates(self) -> list[_Candidate]:
+        raise NotImplementedError
+
+    def least(self) -> _Candidate | None:
+        return min(self.candidates(), key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
+
+    def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
+        best = None
+        for cand in self.candidates():
+            if cand.peak_bytes <= budget:
+                best = _better(best, cand)
+        return best
+
+
+class _Chain(_Enumerated):
+    """The chain baselines (Chen, Hong, ``checkpoint_sequential``): lower-set sequences given
+    up front."""
+
+    def __init__(self, graph: CostGraph, sequences):
+        start = time.perf_counter()
+        self.cands = [_candidate(graph, Schedule.from_lower_sets(seq)) for seq in sequences]
+        self.seconds = time.perf_counter() - start
+
+    def candidates(self) -> list[_Candidate]:
+        return self.cands
+
+
+class _Rotor(_Enumerated):
     """Rotor (Beaumont et al.) on the articulation chain. One DP table serves every memory
     budget up to the no-recomputation peak, in ``slots`` steps; since the chain model is an
     estimate, the schedule of every step is simulated (each distinct one once) and the
     simulator decides."""
 
-    def __init__(self, graph: CostGraph, ordered: CostGraph, slots: int = DEFAULT_ROTOR_SLOTS):
+    def __init__(self, graph: CostGraph, slots: int = DEFAULT_ROTOR_SLOTS):
         start = time.perf_counter()
         self.graph = graph
-        self.stages = chain_stages(ordered)
+        self.stages = chain_stages(graph)
         self.costs = chain_costs(graph, self.stages)
         self.solver = None
         self.by_ops: dict = {}
@@ -250,13 +224,11 @@ class _Rotor:
         if sol is None:
             return None
         if sol.ops not in self.by_ops:
-            sched = schedule_from_nested(sol.nested(), self.stages)
-            self.by_ops[sol.ops] = _Candidate(sched, simulate(self.graph, sched), recompute_time(self.graph, sched))
+            self.by_ops[sol.ops] = _candidate(self.graph, schedule_from_nested(sol.nested(), self.stages))
         return self.by_ops[sol.ops]
 
-    def _all(self) -> list[_Candidate]:
-        """The simulated schedule of every slot count from the least feasible one up (built once:
-        ``least`` and ``fastest_within`` both read it)."""
+    def candidates(self) -> list[_Candidate]:
+        """The simulated schedule of every slot count from the least feasible one up (built once)."""
         if self.cands is None:
             start = time.perf_counter()
             first = None if self.solver is None else self.solver.least_slots()
@@ -265,52 +237,28 @@ class _Rotor:
             self.seconds += time.perf_counter() - start
         return self.cands
 
-    def least(self) -> _Candidate | None:
-        return min(self._all(), key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
-
-    def fastest_within(self, budget: int) -> _Candidate | None:
-        best = None
-        for cand in self._all():
-            if cand.peak_bytes <= budget:
-                best = _better(best, cand)
-        return best
-
 
 def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots: int = DEFAULT_ROTOR_SLOTS):
-    """The strategy's candidate sources by name, and the number of lower sets searched."""
-    sources, sets, notes = {}, 0, ()
-    used = None
+    """The strategy's candidate sources by name, the number of lower sets searched, and notes."""
+    sources: dict[str, _Source] = {}
+    sets, notes, used = 0, (), None
     if strategy in _KUSUMOTO:
-        family, used = _family(graph, strategy, exact_cap)
-        if used == "approx (exact capped)":
-            used = "approx"
-            notes = (f"the exact DP was skipped: this graph has more than exact_cap={resolve_exact_cap(exact_cap)} "
-                     "lower sets (raise exact_cap= to force it)",)
-        sources[used], sets = _Solver(graph, family), len(family)
+        family, used, note = _family(graph, strategy, exact_cap)
+        notes = (note,) if note else ()
+        sources[used], sets = _KusumotoDP(graph, family), len(family)
     if strategy == "auto" and used == "exact":
         # The DP optimises an upper bound of the peak, so the approximate family's optimum can
         # simulate lower than the exact one's; it is cheap, so auto looks at both.
-        sources["approx"] = _Solver(graph, _family(graph, "approx", exact_cap)[0])
-    ordered = _ordered_graph(graph) if strategy in ("auto", "rotor", "chen", "hong", "sequential") else graph
+        sources["approx"] = _KusumotoDP(graph, _family(graph, "approx", exact_cap)[0])
     if strategy in ("auto", "rotor"):
-        sources["rotor"] = _Rotor(graph, ordered, rotor_slots)
+        sources["rotor"] = _Rotor(graph, rotor_slots)
     if strategy in ("auto", "chen"):
-        sources["chen"] = _Fixed(graph, chen.chen_candidates(ordered))
+        sources["chen"] = _Chain(graph, chen.chen_candidates(graph))
     if strategy in ("auto", "hong"):
-        sources["hong"] = _Fixed(graph, hong.hong_candidates(ordered))
+        sources["hong"] = _Chain(graph, hong.hong_candidates(graph))
     if strategy in ("auto", "sequential"):
-        sources["sequential"] = _Fixed(graph, chen.sequential_candidates(ordered))
+        sources["sequential"] = _Chain(graph, chen.sequential_candidates(graph))
     return sources, sets, notes
-
-
-def _least(source) -> _Candidate | None:
-    return _least_peak(source) if isinstance(source, _Solver) else source.least()
-
-
-def _within(source, target: int, least: _Candidate | None) -> _Candidate | None:
-    if least is None or least.peak_bytes > target:
-        return None
-    return _fastest_within(source, target, least) if isinstance(source, _Solver) else source.fastest_within(target)
 
 
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
@@ -324,15 +272,17 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
-    plain = Schedule((tuple(range(graph.n)),), (False,))
+    plain = Schedule.plain(graph.n)
     baseline = simulate(graph, plain)
     target = budget.resolve(baseline)
     if strategy == "none" or (target is not None and target >= baseline):
         if target is not None and target < baseline:
             raise InfeasibleBudgetError(target, baseline)
-        return Choice(plain, "none", "time-centric", target or baseline, baseline, baseline, 0, 0.0, 0)
+        return Choice(schedule=plain, strategy="none", objective="time-centric", budget_bytes=target or baseline,
+                      baseline_peak_bytes=baseline, peak_bytes=baseline, recompute_time=0, solve_seconds=0.0,
+                      num_lower_sets=0)
     sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots)
-    least = {name: _least(src) for name, src in sources.items()}
+    least = {name: src.least() for name, src in sources.items()}
     if not any(least.values()):
         raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has fewer than two "
                          "chain stages (no articulation nodes) or, for 'rotor', no schedule fits in rotor_slots="
@@ -341,15 +291,18 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731
     if target is None:
-        return Choice(floor.schedule, floor_name, "memory-centric", floor.peak_bytes, baseline,
-                      floor.peak_bytes, floor.recompute_time, seconds(), sets, notes)
+        return Choice(schedule=floor.schedule, strategy=floor_name, objective="memory-centric",
+                      budget_bytes=floor.peak_bytes, baseline_peak_bytes=baseline, peak_bytes=floor.peak_bytes,
+                      recompute_time=floor.recompute_time, solve_seconds=seconds(), num_lower_sets=sets, notes=notes)
     if target < floor.peak_bytes:
         raise InfeasibleBudgetError(target, floor.peak_bytes)
-    picks = {name: _within(src, target, least[name]) for name, src in sources.items()}
+    picks = {name: src.fastest_within(target, least[name]) for name, src in sources.items()
+             if least[name] is not None and least[name].peak_bytes <= target}
     name = min((n for n in picks if picks[n]), key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes))
     best = picks[name]
-    return Choice(best.schedule, name, "time-centric", target, baseline, best.peak_bytes,
-                  best.recompute_time, seconds(), sets, notes)
+    return Choice(schedule=best.schedule, strategy=name, objective="time-centric", budget_bytes=target,
+                  baseline_peak_bytes=baseline, peak_bytes=best.peak_bytes, recompute_time=best.recompute_time,
+                  solve_seconds=seconds(), num_lower_sets=sets, notes=notes)
 
 
 # --------------------------------------------------------------------------------------------

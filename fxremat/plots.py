@@ -30,7 +30,7 @@ def _phase_axis(timeline) -> list[float]:
 
 def plot_timeline(plan, path=None, *, measured=None):
     """Predicted memory over the forward and backward of ``plan`` (a :class:`fxremat.Plan`; and
-    ``measured``, a :class:`~fxremat.records.Timeline`, beside it); returns the figure, saved to
+    ``measured``, a :class:`~fxremat.core.Timeline`, beside it); returns the figure, saved to
     ``path`` when given. (The records are not imported here: :meth:`Plan.plot_timeline` calls
     this module.)"""
     if not plan.timeline_bytes:

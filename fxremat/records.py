@@ -20,9 +20,10 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+from .core import Timeline
 from .errors import format_bytes
 
-__all__ = ["Plan", "Segment", "NodeInfo", "Timeline", "explain", "save_plan", "read_plan", "validate_plan",
+__all__ = ["Plan", "Segment", "NodeInfo", "explain", "save_plan", "read_plan", "validate_plan",
            "PLAN_FORMAT", "PLAN_STRATEGIES", "PLAN_COST_MODELS"]
 
 PLAN_FORMAT = "fxremat-plan/1"
@@ -69,20 +70,6 @@ class NodeInfo:
     source: str = ""
     code: str = ""
     mutated_buffers: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Memory in bytes after each event of one forward + backward; the backward starts at
-    index ``backward_start`` (the loss). Predicted by :mod:`fxremat.simulate` for a plan, or
-    measured by :func:`fxremat.measure.measure_timeline`."""
-
-    bytes: tuple[int, ...]
-    backward_start: int
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(self.bytes, default=0)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Predict the peak memory of a segmentation as PyTorch executes it.
 
-:func:`simulate` replays one forward + backward over a :class:`~fxremat.graph.CostGraph` with
+:func:`simulate` replays one forward + backward over a :class:`~fxremat.core.CostGraph` with
 PyTorch's liveness rules (Hong et al., ``shared/seeds/004_ac913870907ea453.txt``: a value dies as
 soon as nothing needs it; gradient buffers count):
 
@@ -25,35 +25,9 @@ loss is assumed to need ``graph.loss_bytes`` on top of the outputs' gradients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .core import CostGraph, Schedule, Timeline, exits
 
-from .graph import CostGraph
-from .records import Timeline
-
-__all__ = ["Schedule", "simulate", "predicted_timeline"]
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Segments (tuples of node indices, in order) and which of them are recomputed.
-
-    ``inner`` (optional, one entry per segment): the schedule a recomputed segment follows when
-    it is recomputed — a :class:`Schedule` over exactly that segment's nodes whose own
-    recomputed segments are nested checkpoints (rotor's F_ck inside a recomputation), or
-    ``None``: the segment is recomputed plainly, keeping what autograd saves.
-    """
-
-    segments: tuple[tuple[int, ...], ...]
-    recomputed: tuple[bool, ...]
-    inner: tuple["Schedule | None", ...] = ()
-
-    def inner_of(self, i: int) -> "Schedule | None":
-        return self.inner[i] if self.inner else None
-
-    @property
-    def depth(self) -> int:
-        """1 for a flat schedule, plus one per level of nested checkpoints."""
-        return 1 + max((s.depth for s in self.inner if s is not None), default=0)
+__all__ = ["simulate", "predicted_timeline", "rerun_time"]
 
 
 class _Grads:
@@ -224,14 +198,14 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
             else:
                 grads.give(p, graph.grad_bytes[p], share)
     incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
-    mem.note(incoming + graph.bwd_transient(v))
+    mem.note(incoming + graph.bwd_transient_bytes[v])
     sums = [graph.grad_bytes[p] for p in again]
     if v in grads.of:
         sums += grads.shared.summed(v)
     grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
     if sums:
-        params = min(graph.param_grad_bytes[v], graph.bwd_transient(v)) if graph.param_grad_bytes else 0
+        params = min(graph.param_grad_bytes[v], graph.bwd_transient_bytes[v])
         mem.note(incoming + params + max(sums))
     for p in again:
         grads.resum(p, graph.grad_bytes[p])
@@ -316,7 +290,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             for o in graph.saved[v]:
                 if o in members:
                     holds[o].add(("node", v))
-        if graph.root[v] in members and (graph.is_output[v] or any(u not in members for u in graph.succs[v])):
+    for v in exits(graph, members):
+        if graph.root[v] in members:
             needed[graph.root[v]].add(_RETURNED)
     key = lambda v: ("r", depth, v)  # noqa: E731
     order = [v for sub in inner.segments for v in sub]

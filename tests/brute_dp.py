@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxremat.graph import CostGraph
+from fxremat.core import CostGraph
 
 __all__ = ["ChainCost", "lower_sets", "chains", "chain_cost", "least_time", "least_peak", "MAX_NODES"]
 
@@ -40,9 +40,8 @@ def _members(mask: int):
 
 
 def _tie(graph: CostGraph, v: int) -> int:
-    anchor = graph.anchor or tuple(range(graph.n))
-    while anchor[v] != v:
-        v = anchor[v]
+    while graph.anchor[v] != v:
+        v = graph.anchor[v]
     return v
 
 

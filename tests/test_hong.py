@@ -7,11 +7,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxremat.graph import build_graph
+from fxremat.passes.lower import build_graph
 from fxremat.lowersets import bits
 from fxremat.passes.profile import profile
 from fxremat.passes.trace import trace
-from fxremat.simulate import Schedule, simulate
+from fxremat.core import Schedule
+from fxremat.simulate import simulate
 from fxremat.solvers.chen import cut_points
 from fxremat.solvers.hong import hong_candidates, hong_chain, hong_peak, hong_quadratic, stage_sizes
 

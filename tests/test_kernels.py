@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import brute_dp as brute
 from fxremat import _kernels
-from fxremat.graph import CostGraph, _anchors, load_graph
+from fxremat.core import CostGraph, anchors, load_graph
 from fxremat.lowersets import all_lower_sets, enumerate_lower_sets, pruned_family
 from fxremat.solvers import kusumoto
 
@@ -36,7 +36,7 @@ needs_compiled = pytest.mark.skipif(not _kernels.compiled_available(),
 def cost_graphs(draw, max_nodes=6, max_bytes=9, min_nodes=0, reach=None):
     """A random CostGraph that keeps build_graph's invariants: preds before their node,
     root[v] is v or a predecessor's root, saved owners are roots of v or of its inputs, and
-    anchors follow graph._anchors."""
+    anchors follow fxremat.core.anchors (or tie nothing); no ordering edges."""
     n = draw(st.integers(min_nodes, max_nodes))
     preds, roots = [], []
     for v in range(n):
@@ -55,23 +55,25 @@ def cost_graphs(draw, max_nodes=6, max_bytes=9, min_nodes=0, reach=None):
         saved.append(tuple(draw(st.sets(st.sampled_from(owners), max_size=len(owners)))) if owners else ())
     ints = lambda hi: draw(st.lists(st.integers(0, hi), min_size=n, max_size=n))  # noqa: E731
     owns = [roots[v] == v and draw(st.booleans()) for v in range(n)]
-    anchor = _anchors(preds, owns) if draw(st.booleans()) else ()
+    anchor = anchors(preds, owns) if draw(st.booleans()) else tuple(range(n))
+    transient = tuple(ints(4))
     return CostGraph(
         names=tuple(f"n{v}" for v in range(n)), preds=tuple(preds), succs=tuple(tuple(s) for s in succs),
+        order_preds=((),) * n, anchor=anchor,
         is_output=tuple(draw(st.lists(st.booleans(), min_size=n, max_size=n))), time=tuple(ints(5)),
         out_bytes=tuple(ints(max_bytes)), root=tuple(roots), saved=tuple(tuple(sorted(s)) for s in saved),
-        extra_bytes=tuple(ints(3)), grad_bytes=tuple(ints(max_bytes)), transient_bytes=tuple(ints(4)),
-        time_unit=1.0, step_cost=1.0, cost_unit="units", loss_bytes=draw(st.integers(0, max_bytes)),
-        anchor=anchor,
+        extra_bytes=tuple(ints(3)), grad_bytes=tuple(ints(max_bytes)), grad_alias=(False,) * n,
+        transient_bytes=transient, bwd_transient_bytes=transient, param_grad_bytes=(0,) * n, shared_params=(),
+        loss_bytes=draw(st.integers(0, max_bytes)), loss_output=None, time_unit=1.0, step_cost=1.0, cost_unit="units",
     )
 
 
 def exact_family(graph):
-    return all_lower_sets(graph.preds, anchor=graph.anchor or None)
+    return all_lower_sets(graph.preds, anchor=graph.anchor)
 
 
 def approx_family(graph):
-    return pruned_family(graph.preds, anchor=graph.anchor or None)
+    return pruned_family(graph.preds, anchor=graph.anchor)
 
 
 def budgets_for(graph, tables):
@@ -97,7 +99,7 @@ def run_both(fn):
 @FAST
 @given(cost_graphs(max_nodes=12), st.one_of(st.none(), st.integers(0, 60)))
 def test_lower_sets_identical(graph, cap):
-    ref, fast = run_both(lambda: all_lower_sets(graph.preds, cap=cap, anchor=graph.anchor or None))
+    ref, fast = run_both(lambda: all_lower_sets(graph.preds, cap=cap, anchor=graph.anchor))
     assert ref == fast
 
 
@@ -119,7 +121,7 @@ def test_tables_and_solutions_identical(graph, exact):
 @given(cost_graphs(min_nodes=60, max_nodes=150, max_bytes=1000, reach=4))
 def test_large_graphs_identical(graph):
     """Several words per bitset, more than 64 sets: the compiled word loops."""
-    family = all_lower_sets(graph.preds, cap=250, anchor=graph.anchor or None) or approx_family(graph)
+    family = all_lower_sets(graph.preds, cap=250, anchor=graph.anchor) or approx_family(graph)
     ref_tables, fast_tables = run_both(lambda: kusumoto.build_tables(graph, family))
     assert ref_tables == fast_tables
     least = kusumoto.solve(graph, ref_tables, objective="memory").peak_bytes
@@ -201,8 +203,7 @@ def test_rotor_table_identical_long_chains(seed, n, slots, int_times):
 
 
 def tie_consistent(graph, mask):
-    anchor = graph.anchor or range(graph.n)
-    return all((mask >> v) & 1 == (mask >> a) & 1 for v, a in enumerate(anchor))
+    return all((mask >> v) & 1 == (mask >> a) & 1 for v, a in enumerate(graph.anchor))
 
 
 @FAST
@@ -297,7 +298,10 @@ def test_tiny_graphs(dp_impl):
 
 
 def test_empty_graph_solves(dp_impl):
-    graph = CostGraph((), (), (), (), (), (), (), (), (), (), (), 1.0, 1.0, "units")
+    graph = CostGraph(names=(), preds=(), succs=(), order_preds=(), anchor=(), is_output=(), time=(), out_bytes=(),
+                      root=(), saved=(), extra_bytes=(), grad_bytes=(), grad_alias=(), transient_bytes=(),
+                      bwd_transient_bytes=(), param_grad_bytes=(), shared_params=(), loss_bytes=0, loss_output=None,
+                      time_unit=1.0, step_cost=1.0, cost_unit="units")
     tables = kusumoto.build_tables(graph, exact_family(graph))
     assert kusumoto.solve(graph, tables) == kusumoto.Solution((), 0, 0)
     assert kusumoto.solve(graph, tables, objective="memory") == kusumoto.Solution((), 0, 0)

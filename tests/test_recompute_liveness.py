@@ -10,12 +10,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxremat
 from _models import train_step, with_grads
-from fxremat.graph import build_graph
+from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.rewrite import rewrite
 from fxremat.passes.trace import trace
 from fxremat.planner import recompute_time
-from fxremat.simulate import Schedule, rerun_time, simulate
+from fxremat.core import Schedule
+from fxremat.simulate import rerun_time, simulate
 
 
 class WideTail(nn.Module):

@@ -11,10 +11,11 @@ import torch
 import fxremat
 from fxremat import identity, measure, planner, plots, simulate
 from fxremat.budget import parse_budget
-from fxremat.graph import build_graph
+from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.trace import trace
-from fxremat.records import Plan, Timeline
+from fxremat.core import Timeline
+from fxremat.records import Plan
 from fxremat.planner import choose
 
 from _models import small_unet

@@ -48,14 +48,13 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..measure import LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from .state import StateWrites
-from .trace import is_torch_hook
+from .trace import CALL_OPS, is_torch_hook, module_of
 
-__all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS", "CALL_OPS"]
+__all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS"]
 
 log = logging.getLogger("fxremat")
 
 COST_MODELS = PLAN_COST_MODELS
-CALL_OPS = ("call_module", "call_function", "call_method")
 # FLOP-equivalents charged per byte read or written, so memory-bound ops (BN, ReLU, pooling)
 # are not free under cost_model="flops" (roughly an accelerator's flop/byte balance).
 FLOPS_PER_BYTE = 4
@@ -172,13 +171,6 @@ def _stand_in(p: torch.Tensor, stand_ins: dict) -> torch.Tensor:
 
 def _is_fake(values) -> bool:
     return any(isinstance(t, FakeTensor) for t in _tensors(values))
-
-
-def _module_path(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if stack:
-        return list(stack.values())[-1][0] if isinstance(list(stack.values())[-1], tuple) else str(list(stack)[-1])
-    return node.target if node.op == "call_module" else ""
 
 
 class _ProfilingInterpreter(fx.Interpreter):
@@ -336,7 +328,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             param_grad_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             params=tuple(sorted(params)),
             fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
-            flops=flops, module=_module_path(n), grad_alias=grad_alias,
+            flops=flops, module=module_of(self.module, n)[0], grad_alias=grad_alias,
             tensor_output=bool(_tensors(out)),
         )
 

@@ -48,13 +48,13 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
 
 _MAX_AUTO_LEAVES = 64
-_CALL_OPS = ("call_module", "call_function", "call_method")
+CALL_OPS = ("call_module", "call_function", "call_method")  # the ops that run code: the graph's nodes
 # node.meta key: the grad mode a call node was traced under, when it is not the default one.
 _GRAD_MODE_META = "fxremat_grad_mode"
 # The keyword a GraphModule passes to ModeCall: the grad mode of that call.
@@ -136,7 +136,7 @@ class _LeafTracer(fx.Tracer):
         # The tracer runs the Python forward, so `with torch.no_grad():` and `with torch.autocast(...)`
         # really change the state while the nodes of their body are created; torch.fx itself
         # records nothing of them.
-        if kind in _CALL_OPS:
+        if kind in CALL_OPS:
             if torch.is_inference_mode_enabled():
                 node.meta[_GRAD_MODE_META] = "inference_mode"
             elif not torch.is_grad_enabled():
@@ -761,7 +761,7 @@ def restore_modes(gm: fx.GraphModule) -> fx.GraphModule:
     """
     metas = ((_GRAD_MODE_META, GRAD_MODE_KWARG), (_AUTOCAST_META, AUTOCAST_KWARG))
     marked = [n for n in gm.graph.nodes
-              if n.op in _CALL_OPS and n.all_input_nodes and any(m in n.meta for m, _ in metas)]
+              if n.op in CALL_OPS and n.all_input_nodes and any(m in n.meta for m, _ in metas)]
     if not marked:
         return gm
     wrappers: dict[str, str] = {}
@@ -789,3 +789,19 @@ def restore_modes(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def module_of(gm: fx.GraphModule, node: fx.Node) -> tuple[str, str]:
+    """``(qualified name, class name)`` of the innermost submodule a node ran in, from the trace's
+    ``nn_module_stack``; for a node without one, its own module (a ``call_module``) or ``("", "")``."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        key, value = list(stack.items())[-1]
+        if isinstance(value, tuple):
+            path, cls = value
+            name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+            return path, name.rsplit(".", 1)[-1]
+        return str(key), ""
+    if node.op == "call_module":
+        return node.target, type(gm.get_submodule(node.target)).__name__
+    return "", ""

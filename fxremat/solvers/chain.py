@@ -6,7 +6,7 @@ whole residual or inception block, which rotor runs as one unit. Stage ℓ (pape
 1..L) reads only the output of stage ℓ-1 (and graph inputs and parameters), by construction
 of the cut points.
 
-Per-stage parameters (Beaumont et al., Section 5.1), from the :class:`~fxremat.graph.CostGraph`:
+Per-stage parameters (Beaumont et al., Section 5.1), from the :class:`~fxremat.core.CostGraph`:
 
 - u_f: the stage's forward cost (sum of its nodes' ``time``); u_b: twice that (every schedule
   runs each B^ℓ exactly once, so u_b does not change which schedule is fastest).
@@ -20,27 +20,23 @@ Per-stage parameters (Beaumont et al., Section 5.1), from the :class:`~fxremat.g
   transient) beyond the stage's own δ^ℓ and δ^{ℓ-1}.
 
 The rotor schedule's nested form (:meth:`RotorSchedule.nested`) becomes a
-:class:`~fxremat.simulate.Schedule` whose recomputed segments carry their own inner schedule;
+:class:`~fxremat.core.Schedule` whose recomputed segments carry their own inner schedule;
 the liveness simulator checks it and the rewrite pass emits nested checkpoints.
 """
 
 from __future__ import annotations
 
-from ..graph import CostGraph
+from ..core import CostGraph, Schedule
 from ..lowersets import bits
-from ..simulate import Schedule
-from .chen import cut_points
+from .chen import cut_points, stage_bytes
 from .rotor import ChainCosts, CheckpointSegment, PlainStage
 
 __all__ = ["chain_stages", "chain_costs", "schedule_from_nested"]
 
 
 def chain_stages(graph: CostGraph, points=None) -> list[tuple[int, ...]]:
-    """The stages (node tuples in topological order) between consecutive cut points.
-
-    ``graph`` should carry the precedence edges the strategy must respect
-    (:func:`fxremat.planner.ordered_preds`), so stages keep the traced order where it matters.
-    """
+    """The stages (node tuples in topological order) between consecutive cut points (which
+    follow the ordering edges too, so stages keep the traced order where it matters)."""
     points = points if points is not None else cut_points(graph)
     full = (1 << graph.n) - 1
     stages, prev = [], 0
@@ -50,12 +46,7 @@ def chain_stages(graph: CostGraph, points=None) -> list[tuple[int, ...]]:
     return [s for s in stages if s]
 
 
-def _boundary(graph: CostGraph, stage: tuple[int, ...], later: set[int]) -> set[int]:
-    """Owners of the stage's values that later stages read (or that are graph outputs)."""
-    return {graph.root[v] for v in stage if graph.is_output[v] or any(u in later for u in graph.succs[v])}
-
-
-def _forward_transient(graph: CostGraph, stage: tuple[int, ...], boundary: set[int]) -> int:
+def _forward_transient(graph: CostGraph, stage: tuple[int, ...], exit_roots: set[int]) -> int:
     """Peak bytes of running the stage alone, saving nothing, above its boundary output."""
     members = set(stage)
     needed = {v: {u for u in graph.succs[v] if u in members} for v in stage}
@@ -67,11 +58,11 @@ def _forward_transient(graph: CostGraph, stage: tuple[int, ...], boundary: set[i
         for p in graph.preds[v]:
             if p in needed:
                 needed[p].discard(v)
-                if not needed[p] and graph.root[p] not in boundary:
+                if not needed[p] and graph.root[p] not in exit_roots:
                     live.pop(p, None)
-        if not needed[v] and graph.root[v] not in boundary:
+        if not needed[v] and graph.root[v] not in exit_roots:
             live.pop(v, None)
-    return max(0, peak - sum(graph.out_bytes[r] for r in boundary))
+    return max(0, peak - sum(graph.out_bytes[r] for r in exit_roots))
 
 
 def _backward_transient(graph: CostGraph, stage: tuple[int, ...], grad_in: int, grad_out: int) -> int:
@@ -80,7 +71,7 @@ def _backward_transient(graph: CostGraph, stage: tuple[int, ...], grad_in: int, 
     work = 0
     for v in stage:
         ins = {graph.root[p] for p in graph.preds[v]}
-        work = max(work, graph.grad_bytes[v] + sum(graph.grad_bytes[r] for r in ins) + graph.bwd_transient(v))
+        work = max(work, graph.grad_bytes[v] + sum(graph.grad_bytes[r] for r in ins) + graph.bwd_transient_bytes[v])
     return max(0, work - grad_in - grad_out)
 
 
@@ -88,18 +79,13 @@ def chain_costs(graph: CostGraph, stages: list[tuple[int, ...]]) -> ChainCosts:
     """The rotor :class:`~fxremat.solvers.rotor.ChainCosts` of ``stages`` (module docstring)."""
     uf, ub, wa, wabar, of, ob = [], [], [0], [], [], []
     for ell, stage in enumerate(stages):
-        later = {v for s in stages[ell + 1:] for v in s}
-        members = set(stage)
-        boundary = _boundary(graph, stage, later)
-        out = sum(graph.out_bytes[r] for r in boundary)
-        saved = {o for v in stage for o in graph.saved[v] if o in members} - boundary
-        keep = out + sum(graph.out_bytes[o] for o in saved) + sum(graph.extra_bytes[v] for v in stage)
+        out, keep, exit_roots = stage_bytes(graph, set(stage))
         time = sum(graph.time[v] for v in stage)
         uf.append(time)
         ub.append(2 * time)
         wa.append(out)
         wabar.append(keep)
-        of.append(_forward_transient(graph, stage, boundary))
+        of.append(_forward_transient(graph, stage, exit_roots))
         ob.append(_backward_transient(graph, stage, wa[-2], out))
     return ChainCosts(uf=uf, ub=ub, wa=wa, wabar=wabar, of=of, ob=ob)
 

@@ -5,10 +5,9 @@ Chen, Xu, Zhang, Guestrin, *Training Deep Nets with Sublinear Memory Cost* (2016
 
 - cut points: nodes every path from the inputs to the outputs passes through; with A_v = v and
   its ancestors, v is a cut point when no data edge leaves A_v except from v (views and shape
-  nodes tied to v count as v). On a graph with precedence edges (``data_succs`` set), A_v
-  follows them too, but a precedence edge leaving A_v does not prevent a cut: stages run in
-  chain order, so it is satisfied anyway (the dropouts of successive blocks are chained by
-  such edges). They split the DAG into a chain of stages; a stage may be a whole
+  nodes tied to v count as v). A_v follows the ordering edges too (``ordered_preds``), but an
+  ordering edge leaving A_v does not prevent a cut: stages run in chain order, so it is
+  satisfied anyway (the dropouts of successive blocks are chained by such edges). They split the DAG into a chain of stages; a stage may be a whole
   residual or inception block.
 - :func:`sequential`: what ``torch.utils.checkpoint.checkpoint_sequential`` does — the chain cut
   into ``segments`` runs of (nearly) equal numbers of stages.
@@ -24,26 +23,20 @@ from __future__ import annotations
 
 import math
 
-from ..graph import CostGraph
+from ..core import CostGraph, ancestor_masks, boundary
 from ..lowersets import bits
 
-__all__ = ["cut_points", "sequential", "chen_greedy", "chen_candidates", "sequential_candidates"]
+__all__ = ["cut_points", "stage_bytes", "sequential", "chen_greedy", "chen_candidates", "sequential_candidates"]
 
 
 def cut_points(graph: CostGraph) -> list[tuple[int, int]]:
     """Cut points (group heads) in topological order, each with its lower set A_v: the group's
     members and all their ancestors."""
-    anc: list[int] = []
-    for v, ps in enumerate(graph.preds):
-        mask = 1 << v
-        for p in ps:
-            mask |= anc[p]
-        anc.append(mask)
-    anchor = graph.anchor or tuple(range(graph.n))
+    anc = ancestor_masks(graph.ordered_preds)
     members: dict[int, int] = {}
     for v in range(graph.n):
-        members[anchor[v]] = members.get(anchor[v], 0) | 1 << v
-    succ = [sum(1 << s for s in ss) for ss in (graph.data_succs or graph.succs)]
+        members[graph.anchor[v]] = members.get(graph.anchor[v], 0) | 1 << v
+    succ = [sum(1 << s for s in ss) for ss in graph.succs]
     full = (1 << graph.n) - 1
     out = []
     for head in sorted(members):
@@ -56,6 +49,17 @@ def cut_points(graph: CostGraph) -> list[tuple[int, int]]:
         if all((members[head] >> u) & 1 for u in leaving):
             out.append((head, low))
     return out
+
+
+def stage_bytes(graph: CostGraph, members: set) -> tuple[int, int, set]:
+    """A stage's memory on the chain: ``(out, held, exit_roots)``. ``out``: bytes of the storages
+    of its values that later stages read, or graph outputs (``exit_roots``); ``held``: what
+    autograd keeps when the stage runs normally — those, the storages its nodes save inside the
+    stage, and their extra saved buffers. Used by rotor's chain (ω_a, ω_ā) and Hong's sizes."""
+    exit_roots = boundary(graph, members)
+    kept = exit_roots | {o for v in members for o in graph.saved[v] if o in members}
+    held = sum(graph.out_bytes[r] for r in kept) + sum(graph.extra_bytes[v] for v in members)
+    return sum(graph.out_bytes[r] for r in exit_roots), held, exit_roots
 
 
 def _chain(lows: list[int], cuts: list[int], full: int) -> tuple[int, ...]:

@@ -41,7 +41,7 @@ segment sum Σ_{h<k<i} of Eq. 11 (checkpoints and gradient buffers stay output-s
 (U increasing in j) needs held[j] ≥ d_j and Lemma 4 (U decreasing in i) held ≥ 0, so
 Algorithm 6 stays exact; ``held=None`` is the paper's model.
 
-On a :class:`~fxremat.graph.CostGraph` the layers are the stages between consecutive cut points
+On a :class:`~fxremat.core.CostGraph` the layers are the stages between consecutive cut points
 (:func:`fxremat.solvers.chen.cut_points`); checkpoint k (0 < k < n) is the lower set A_k of the
 k-th cut point, and the strategy is those lower sets followed by V — every segment but the last
 is recomputed, as in Algorithm 4. The input is free: d_0 = 0 (the caller holds it).
@@ -49,8 +49,8 @@ is recomputed, as in Algorithm 4. The input is free: d_0 = 0 (the caller holds i
 
 from __future__ import annotations
 
-from ..graph import CostGraph
-from .chen import cut_points
+from ..core import CostGraph
+from .chen import cut_points, stage_bytes
 
 __all__ = ["hong_chain", "hong_quadratic", "hong_peak", "stage_sizes", "hong_candidates"]
 
@@ -179,12 +179,9 @@ def stage_sizes(graph: CostGraph, points=None) -> tuple[list[int], list[int], li
     lows = [low for _, low in points] + [full]
     sizes, held, prev = [0], [0], 0
     for low in lows:
-        stage = [v for v in range(graph.n) if (low & ~prev) >> v & 1]
-        out = {graph.root[v] for v in stage if graph.is_output[v] or any(not low >> u & 1 for u in graph.succs[v])}
-        members = set(stage)
-        kept = out | {o for v in stage for o in graph.saved[v] if o in members}
-        sizes.append(sum(graph.out_bytes[r] for r in out))
-        held.append(sum(graph.out_bytes[r] for r in kept) + sum(graph.extra_bytes[v] for v in stage))
+        out, kept, _ = stage_bytes(graph, {v for v in range(graph.n) if (low & ~prev) >> v & 1})
+        sizes.append(out)
+        held.append(kept)
         prev = low
     return sizes, held, lows
 

@@ -36,7 +36,7 @@ from array import array
 from dataclasses import dataclass, replace
 
 from .. import _kernels
-from ..graph import CostGraph
+from ..core import CostGraph
 from ..lowersets import bits, pack, pruned_family, unpack, words
 
 __all__ = ["Solution", "Tables", "build_tables", "solve", "set_tables", "solve_dp"]

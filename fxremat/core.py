@@ -1,0 +1,294 @@
+"""The plain data every stage of fxremat shares: :class:`CostGraph`, :class:`Schedule`,
+:class:`Timeline`, and the graph helpers the solvers and the simulator have in common.
+
+Nothing here imports torch or another fxremat module: a graph is tuples of ints (as in torch's
+``_activation_checkpointing/knapsack.py``), built from a traced model by
+:mod:`fxremat.passes.lower` or read from JSON (:func:`load_graph`), so solvers and their tests
+run on fixtures without a model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from functools import cached_property
+
+import networkx as nx
+
+__all__ = ["CostGraph", "Schedule", "Timeline", "anchors", "order_edges", "exits", "boundary", "ancestor_masks",
+           "to_networkx", "save_graph", "load_graph", "TIME_RESOLUTION"]
+
+# Forward costs are scaled to integers summing to about this many units, so that solvers work
+# on exact integer arithmetic (identical answers from the Python and Cython kernels).
+TIME_RESOLUTION = 100_000
+
+
+@dataclass(frozen=True)
+class CostGraph:
+    """Call nodes ``0..n-1`` in topological order with integer costs.
+
+    Edges: ``preds``/``succs`` are the data edges (v reads p's output). ``order_preds[v]``: the
+    ordering edges into v beyond the data edges — nodes that must run before v for bitwise
+    results (see :func:`order_edges`); :attr:`ordered_preds` / :attr:`ordered_succs` are both
+    kinds together, what a strategy's lower sets must respect.
+
+    ``root[v]`` is the node owning the storage ``v``'s output lives in (``v`` itself unless it
+    is a view); ``saved[v]`` the owners of the storages autograd saves for ``v``'s backward
+    (``v`` included when it saves its own output). ``grad_alias[v]``: its backward passes views
+    of its output's gradient to its inputs instead of new buffers. ``anchor[v]`` ties a view or
+    a non-tensor node to the group of its latest predecessor: lower sets contain both or
+    neither (:func:`anchors`, :mod:`fxremat.lowersets`); ``anchor[v] == v`` for a node tied to
+    nothing. ``time[v] * time_unit`` is its forward cost in ``cost_unit``; ``step_cost`` is one
+    plain forward + backward in the same unit.
+
+    Memory: ``out_bytes[v]`` its output's new storages; ``extra_bytes[v]`` buffers its backward
+    saves beyond values (dropout masks, indices); ``grad_bytes[v]`` its output's gradient (0 when
+    it takes none). ``transient_bytes[v]``: what v needs while its forward runs beyond its output;
+    ``bwd_transient_bytes[v]``: what its backward needs beyond the gradients it hands its inputs
+    (temporaries, and its parameters' gradients until each is accumulated into ``.grad``);
+    ``param_grad_bytes[v]``: the gradients of the parameters v reads, all alive while v's backward
+    hands on its results. ``shared_params``: ``(bytes, readers)`` of each parameter that two or
+    more call nodes read (tied weights, a module called twice): autograd holds its gradient from
+    the backward of its first reader (in backward order) to that of its last.
+
+    The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to allocate
+    while the backward starts; ``loss_output`` the index of a one-element differentiable output
+    when the model returns its loss (Hugging Face models given ``labels=``), from which alone the
+    backward starts (``loss_bytes`` is then 0), else ``None``.
+    """
+
+    names: tuple[str, ...]
+    preds: tuple[tuple[int, ...], ...]
+    succs: tuple[tuple[int, ...], ...]
+    order_preds: tuple[tuple[int, ...], ...]
+    anchor: tuple[int, ...]
+    is_output: tuple[bool, ...]
+    time: tuple[int, ...]
+    out_bytes: tuple[int, ...]
+    root: tuple[int, ...]
+    saved: tuple[tuple[int, ...], ...]
+    extra_bytes: tuple[int, ...]
+    grad_bytes: tuple[int, ...]
+    grad_alias: tuple[bool, ...]
+    transient_bytes: tuple[int, ...]
+    bwd_transient_bytes: tuple[int, ...]
+    param_grad_bytes: tuple[int, ...]
+    shared_params: tuple[tuple[int, tuple[int, ...]], ...]
+    loss_bytes: int
+    loss_output: int | None
+    time_unit: float
+    step_cost: float
+    cost_unit: str
+
+    def __post_init__(self):
+        n = len(self.names)
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
+                raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")
+        for v in range(n):
+            if any(p >= v for p in (*self.preds[v], *self.order_preds[v])):
+                raise ValueError(f"fxremat.core.CostGraph: node {self.names[v]} has a predecessor after it")
+            if self.anchor[v] > v:
+                raise ValueError(f"fxremat.core.CostGraph: node {self.names[v]} is tied to a later node")
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @cached_property
+    def ordered_preds(self) -> tuple[tuple[int, ...], ...]:
+        """Data and ordering edges into each node."""
+        return tuple(tuple(sorted({*ps, *os})) for ps, os in zip(self.preds, self.order_preds))
+
+    @cached_property
+    def ordered_succs(self) -> tuple[tuple[int, ...], ...]:
+        """Data and ordering edges out of each node."""
+        return _successors(self.ordered_preds)
+
+    def gradient_outputs(self) -> tuple[int, ...]:
+        """The outputs the backward starts from with a gradient: the loss output alone when the
+        model returns its loss (``loss_output``), else every differentiable output."""
+        if self.loss_output is not None:
+            return (self.loss_output,)
+        return tuple(v for v in range(self.n) if self.is_output[v] and self.grad_bytes[v])
+
+    def step_transient(self, v: int) -> int:
+        """The larger of v's forward and backward transients, plus the gradients of shared
+        parameters that may be held across v's backward (:meth:`held_grad_bytes`): what the
+        solvers' step terms use."""
+        return max(self.transient_bytes[v], self.bwd_transient_bytes[v]) + self.held_grad_bytes(v)
+
+    def held_grad_bytes(self, v: int) -> int:
+        """An upper bound of the shared parameters' gradient bytes held while v's backward runs:
+        each one whose readers span v, twice at a reader that adds its own (summed out of place)."""
+        held = 0
+        for nbytes, readers in self.shared_params:
+            if readers[0] <= v <= readers[-1]:
+                held += 2 * nbytes if v in readers[:-1] else nbytes
+        return held
+
+
+def _successors(preds) -> tuple[tuple[int, ...], ...]:
+    succs: list[list[int]] = [[] for _ in preds]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(v)
+    return tuple(tuple(s) for s in succs)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Segments (tuples of node indices, in order) and which of them are recomputed.
+
+    ``inner`` (optional, one entry per segment): the schedule a recomputed segment follows when
+    it is recomputed — a :class:`Schedule` over exactly that segment's nodes whose own
+    recomputed segments are nested checkpoints (rotor's F_ck inside a recomputation), or
+    ``None``: the segment is recomputed plainly, keeping what autograd saves.
+    """
+
+    segments: tuple[tuple[int, ...], ...]
+    recomputed: tuple[bool, ...]
+    inner: tuple["Schedule | None", ...] = ()
+
+    def inner_of(self, i: int) -> "Schedule | None":
+        return self.inner[i] if self.inner else None
+
+    @property
+    def depth(self) -> int:
+        """1 for a flat schedule, plus one per level of nested checkpoints."""
+        return 1 + max((s.depth for s in self.inner if s is not None), default=0)
+
+    @classmethod
+    def plain(cls, n: int) -> "Schedule":
+        """One kept segment of every node: no recomputation."""
+        return cls((tuple(range(n)),), (False,))
+
+    @classmethod
+    def from_lower_sets(cls, lower_sets) -> "Schedule":
+        """The segments between consecutive lower sets (bitsets ending with V); every segment
+        but the last is recomputed (the canonical strategy of Kusumoto et al.)."""
+        segments, prev = [], 0
+        for mask in lower_sets:
+            segments.append(tuple(v for v in range(mask.bit_length()) if (mask & ~prev) >> v & 1))
+            prev = mask
+        return cls(tuple(segments), tuple([True] * (len(segments) - 1) + [False]))
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Memory in bytes after each event of one forward + backward; the backward starts at
+    index ``backward_start`` (the loss). Predicted by :mod:`fxremat.simulate` for a plan, or
+    measured by :func:`fxremat.measure.measure_timeline`."""
+
+    bytes: tuple[int, ...]
+    backward_start: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.bytes, default=0)
+
+
+# -- helpers on edges ------------------------------------------------------------------------
+
+def anchors(preds, owns_storage) -> tuple[int, ...]:
+    """Tie every node that owns no storage (views, ints, sizes) to the latest group head among
+    its predecessors. Heads precede their members, so the quotient DAG stays acyclic."""
+    head: list[int] = []
+    for v, ps in enumerate(preds):
+        head.append(v if owns_storage[v] or not ps else max(head[p] for p in ps))
+    return tuple(head)
+
+
+def _reaches(gpreds: dict, start: int, target: int) -> bool:
+    """Whether group ``target`` is an ancestor of group ``start``."""
+    seen, stack = set(), [start]
+    while stack:
+        for p in gpreds.get(stack.pop(), ()):
+            if p == target:
+                return True
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
+    return False
+
+
+def order_edges(preds, anchor, chains=()) -> tuple[tuple[int, ...], ...]:
+    """Ordering edges that keep, for every value with two or more consumers, its consumers in
+    traced order: autograd sums a value's gradient contributions in the order its consumers ran,
+    and with three or more terms another order changes the float sum. ``chains`` are more node
+    sequences to keep in order (the consumers of a graph input or parameter, the calls of a
+    shared module, the nodes that draw random numbers). An edge that would close a cycle among
+    tied groups (``anchor``) is left out. Returns, per node, the edges beyond ``preds``."""
+    succs = _successors(preds)
+    merged = [set(ps) for ps in preds]
+    gpreds: dict[int, set] = {}
+    for v, ps in enumerate(preds):
+        gpreds.setdefault(anchor[v], set()).update(anchor[p] for p in ps if anchor[p] != anchor[v])
+    sequences = [sorted(succs[v]) for v in range(len(preds)) if len(succs[v]) >= 2]
+    sequences += [list(c) for c in chains]
+    for users in sequences:
+        for a, b in zip(users, users[1:]):
+            ga, gb = anchor[a], anchor[b]
+            if ga == gb or _reaches(gpreds, ga, gb):
+                continue
+            merged[b].add(a)
+            gpreds.setdefault(gb, set()).add(ga)
+    return tuple(tuple(sorted(m - set(ps))) for m, ps in zip(merged, preds))
+
+
+def exits(graph: CostGraph, members) -> list[int]:
+    """The nodes of ``members`` (a set) whose output leaves it: graph outputs, and values a node
+    outside ``members`` reads (along data edges)."""
+    return [v for v in sorted(members) if graph.is_output[v] or any(u not in members for u in graph.succs[v])]
+
+
+def boundary(graph: CostGraph, members) -> set[int]:
+    """The storages (owners) of the values :func:`exits` hands out of ``members``."""
+    return {graph.root[v] for v in exits(graph, members)}
+
+
+def ancestor_masks(preds) -> list[int]:
+    """Bitset of each node and its ancestors along ``preds``."""
+    anc: list[int] = []
+    for v, ps in enumerate(preds):
+        mask = 1 << v
+        for p in ps:
+            mask |= anc[p]
+        anc.append(mask)
+    return anc
+
+
+# -- views and files ---------------------------------------------------------------------------
+
+def to_networkx(graph: CostGraph) -> nx.DiGraph:
+    """The DAG as a ``networkx.DiGraph`` (nodes are indices, costs are node attributes; data
+    edges only)."""
+    g = nx.DiGraph()
+    for v, name in enumerate(graph.names):
+        g.add_node(v, name=name, time=graph.time[v], out_bytes=graph.out_bytes[v])
+    g.add_edges_from((p, v) for v, ps in enumerate(graph.preds) for p in ps)
+    return g
+
+
+_NESTED = {"preds", "succs", "order_preds", "saved"}
+
+
+def save_graph(graph: CostGraph, path) -> None:
+    """Write ``graph`` as JSON (a fixture that needs neither torch nor the model to load)."""
+    with open(path, "w") as f:
+        json.dump(asdict(graph), f)
+
+
+def load_graph(path) -> CostGraph:
+    """Read a graph written by :func:`save_graph` (``ValueError`` naming missing or unknown
+    fields)."""
+    with open(path) as f:
+        data = json.load(f)
+    known = {f.name for f in fields(CostGraph)}
+    if set(data) != known:
+        raise ValueError(f"fxremat.core.load_graph: {path} has unknown fields {sorted(set(data) - known)} and "
+                         f"lacks {sorted(known - set(data))}; write it again with fxremat.core.save_graph")
+    data["shared_params"] = [(nbytes, tuple(readers)) for nbytes, readers in data["shared_params"]]
+    return CostGraph(**{k: tuple(tuple(x) for x in v) if k in _NESTED else tuple(v) if isinstance(v, list) else v
+                        for k, v in data.items()})

@@ -1,0 +1,115 @@
+"""Lowering: a traced ``GraphModule`` and its profile become a :class:`~fxremat.core.CostGraph`.
+
+Call nodes are numbered in FX graph order; data edges follow ``all_input_nodes``; the ordering
+edges (:func:`fxremat.core.order_edges`) keep in traced order the consumers of each value, of
+each graph input and attribute, the calls of a shared module, the readers of a shared parameter
+and the nodes that draw random numbers, so that every strategy gives bitwise-equal gradients and
+dropout masks.
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..core import TIME_RESOLUTION, CostGraph, anchors, order_edges
+from .profile import GraphCosts
+from .trace import CALL_OPS
+
+__all__ = ["build_graph", "LOSS_OUTPUT_COPIES"]
+
+LOSS_OUTPUT_COPIES = 2  # a cross-entropy keeps its log-softmax and allocates its gradient
+_MAX_SCALAR_BYTES = 8  # one element of at most float64: a returned loss
+
+
+def _call_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if a.op in CALL_OPS]
+
+
+def _output_nodes(graph: fx.Graph) -> set[fx.Node]:
+    out = next(n for n in graph.nodes if n.op == "output")
+    return {a for a in out.all_input_nodes if a.op in CALL_OPS}
+
+
+def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
+    """Combine the traced graph and its profile into a :class:`~fxremat.core.CostGraph`.
+
+    ``loss_bytes``: ``LOSS_OUTPUT_COPIES`` buffers the size of the differentiable outputs, unless
+    the model returns its loss (one one-element output that takes a gradient: ``loss_output``).
+    """
+    calls = [n for n in gm.graph.nodes if n.op in CALL_OPS]
+    index = {n.name: i for i, n in enumerate(calls)}
+    by_name = {c.name: c for c in costs.nodes}
+    if set(by_name) != set(index):
+        raise AssertionError("fxremat.passes.lower: the profile and the graph disagree on the call nodes")
+    outputs = _output_nodes(gm.graph)
+    preds = tuple(tuple(sorted({index[a.name] for a in _call_inputs(n)})) for n in calls)
+    succs: list[list[int]] = [[] for _ in calls]
+    for v, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(v)
+    node_costs = [by_name[n.name] for n in calls]
+    total = sum(c.fwd_cost for c in node_costs) or 1.0
+    unit = total / TIME_RESOLUTION
+    roots = tuple(index.get(c.root, v) for v, c in enumerate(node_costs))
+    out_roots = {roots[v] for v, n in enumerate(calls) if n in outputs and node_costs[v].grad_bytes}
+    saved = []
+    for v, c in enumerate(node_costs):
+        owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
+        saved.append(tuple(sorted(owners)))
+    shared = _shared_params(gm, node_costs)
+    scalars = [r for r in out_roots if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
+    loss_output = scalars[0] if len(scalars) == 1 else None
+    anchor = anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs])
+    chains = ((tuple(v for v, c in enumerate(node_costs) if c.uses_rng),) + _order_chains(gm.graph, index)
+              + tuple(readers for _, readers in shared))
+    return CostGraph(
+        names=tuple(n.name for n in calls),
+        preds=preds,
+        succs=tuple(tuple(s) for s in succs),
+        order_preds=order_edges(preds, anchor, chains),
+        anchor=anchor,
+        is_output=tuple(n in outputs for n in calls),
+        time=tuple(round(c.fwd_cost / unit) for c in node_costs),
+        out_bytes=tuple(c.out_bytes for c in node_costs),
+        root=roots,
+        saved=tuple(saved),
+        extra_bytes=tuple(c.extra_bytes for c in node_costs),
+        grad_bytes=tuple(c.grad_bytes for c in node_costs),
+        grad_alias=tuple(c.grad_alias for c in node_costs),
+        transient_bytes=tuple(c.fwd_transient_bytes for c in node_costs),
+        bwd_transient_bytes=tuple(c.bwd_transient_bytes for c in node_costs),
+        param_grad_bytes=tuple(c.param_grad_bytes for c in node_costs),
+        shared_params=shared,
+        loss_bytes=0 if loss_output is not None else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
+        loss_output=loss_output,
+        time_unit=unit,
+        step_cost=costs.step_cost,
+        cost_unit=costs.cost_unit,
+    )
+
+
+def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """(gradient bytes, reader nodes in order) of each parameter read by two or more call nodes."""
+    readers: dict[str, list[int]] = {}
+    for v, c in enumerate(node_costs):
+        for name in c.params:
+            readers.setdefault(name, []).append(v)
+    params = dict(gm.named_parameters())
+    return tuple((params[name].numel() * params[name].element_size(), tuple(r))
+                 for name, r in readers.items() if len(r) >= 2)
+
+
+def _order_chains(graph: fx.Graph, index: dict) -> tuple[tuple[int, ...], ...]:
+    """The consumers of each graph input and attribute, and the calls of each shared module."""
+    chains = []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            users = sorted(index[u.name] for u in node.users if u.name in index)
+            if len(users) >= 2:
+                chains.append(tuple(users))
+    calls: dict[str, list[int]] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, []).append(index[node.name])
+    chains += [tuple(c) for c in calls.values() if len(c) >= 2]
+    return tuple(chains)
