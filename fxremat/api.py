@@ -36,10 +36,10 @@ from .passes.trace import CALL_OPS, hooked_modules, module_of, trace, varargs_re
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, read_plan, validate_plan
-from .runtime import MUTATED_BUFFERS_ATTR, attribute_bindings, rebind
+from .runtime import attribute_bindings, rebind
 from .simulate import predicted_timeline, rerun_time, simulate
 
-__all__ = ["compile", "plan", "RematModule", "load_plan", "node_infos"]
+__all__ = ["compile", "plan", "planned", "Planned", "cost_graph", "RematModule", "load_plan", "node_infos", "emitted_code"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXREMAT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -217,12 +217,22 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), k
     )
 
 
-def _plan_traced(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[Plan, GraphCosts]:
+def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[CostGraph, GraphCosts]:
+    """Profile and lower: the :class:`~fxremat.core.CostGraph` of a traced graph and its profile."""
     _check_inputs(gm, inputs)
     with _stage("profiling", f"{sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes, "
                              f"cost model {config.cost_model}"):
         costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
-        graph = build_graph(gm, costs)
+        return build_graph(gm, costs), costs
+
+
+def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str) -> tuple[Plan, GraphCosts | None]:
+    """The pipeline after tracing, for :func:`compile`, :func:`plan` and the CLI: a saved plan
+    (``config.plan``) checked and re-derived, or profile → lower → choose → :class:`Plan`.
+    Returns the plan and the profile its times came from (``None`` for a saved plan)."""
+    if config.plan is not None:
+        return _saved_plan(gm, inputs, config, origin), None
+    graph, costs = _lowered(gm, inputs, config)
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
                         rotor_slots=config.rotor_slots)
@@ -252,8 +262,10 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str)
         raise PlanBudgetError(origin, None, peak, saved.budget_bytes)
     if target is not None and peak > target:
         raise PlanBudgetError(origin, target, peak, saved.budget_bytes)
-    choice = Choice(schedule, saved.strategy, saved.objective, peak if target is None else target, baseline, peak,
-                    recompute_time(graph, schedule), saved.solve_seconds, saved.num_lower_sets, saved.notes)
+    choice = Choice(schedule=schedule, strategy=saved.strategy, objective=saved.objective,
+                    budget_bytes=peak if target is None else target, baseline_peak_bytes=baseline, peak_bytes=peak,
+                    recompute_time=recompute_time(graph, schedule), solve_seconds=saved.solve_seconds,
+                    num_lower_sets=saved.num_lower_sets, notes=saved.notes)
     the_plan = _plan_from(graph, choice, saved.cost_model, nodes=node_infos(gm, costs), key=saved.graph_key)
     if saved.cost_model == "measured":  # timings are not re-derived: keep the saved ones
         the_plan = dataclasses.replace(the_plan, predicted_overhead=saved.predicted_overhead,
@@ -322,6 +334,65 @@ def _check_unwrapped(model: torch.nn.Module, api: str) -> None:
             )
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One run of the pipeline on a model and its example inputs (:func:`planned`): the traced
+    (or captured) graph module, the inputs it was planned for, and the plan."""
+
+    graph_module: fx.GraphModule
+    inputs: tuple
+    plan: Plan
+
+    def emit(self) -> fx.GraphModule:
+        """The GraphModule that runs the plan (recomputed segments as checkpointed submodules)."""
+        return _emit(self.graph_module, self.plan)
+
+    def code(self, title: str) -> str:
+        """The emitted code a person reads (:func:`emitted_code`)."""
+        return emitted_code(self.emit(), title)
+
+
+def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules, api: str) -> tuple[fx.GraphModule, tuple]:
+    """``(graph module, its positional inputs)`` for ``model`` called with ``example_inputs``."""
+    inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
+    gm = _traced(model, leaf_modules, api)
+    if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
+        args, kwargs = _example_call(example_inputs)
+        captured = capture_call(model, args, kwargs)
+        return captured.graph_module, captured.inputs(args, kwargs)
+    if inputs is None:  # keyword inputs of a traced forward: its placeholders in order
+        bound = inspect.signature(model.forward).bind(**example_inputs)
+        bound.apply_defaults()
+        inputs = tuple(bound.arguments.values())
+    return gm, inputs
+
+
+def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
+            leaf_modules=(), api: str = "plan", **options) -> Planned:
+    """The whole pipeline on ``model`` and ``example_inputs``: trace (or capture), profile,
+    lower, choose, and the :class:`Planned` result (see :func:`compile` for the arguments;
+    ``api`` names the caller in errors). :func:`plan` and the command line use it."""
+    _check_unwrapped(model, api)
+    leaf_modules = _check_leaf_modules(model, leaf_modules, api)
+    config = _config(budget, strategy, cost_model, options, api=api, leaf_modules=leaf_modules)
+    with _training_mode(model):  # plan what is trained, also for a model in eval()
+        gm, inputs = _traced_call(model, example_inputs, leaf_modules, api)
+        the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}")
+    return Planned(gm, inputs, the_plan)
+
+
+def cost_graph(model: torch.nn.Module, *, example_inputs, cost_model: str = "measured", leaf_modules=(),
+               api: str = "cost_graph", profile_repeats: int = _OPTIONS["profile_repeats"]) -> CostGraph:
+    """The pipeline up to the solver: ``model`` traced (or captured), profiled and lowered to its
+    :class:`~fxremat.core.CostGraph` (what :func:`fxremat.planner.tradeoff` sweeps)."""
+    _check_unwrapped(model, api)
+    leaf_modules = _check_leaf_modules(model, leaf_modules, api)
+    config = _config(1.0, "auto", cost_model, {"profile_repeats": profile_repeats}, api=api, leaf_modules=leaf_modules)
+    with _training_mode(model):
+        gm, inputs = _traced_call(model, example_inputs, leaf_modules, api)
+        return _lowered(gm, inputs, config)[0]
+
+
 def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
          leaf_modules=(), **options) -> Plan:
     """Plan recomputation for ``model`` on ``example_inputs`` under ``budget`` without rewriting.
@@ -329,23 +400,8 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
     See :func:`compile` for the arguments. Raises :class:`fxremat.InfeasibleBudgetError` when
     no plan fits the budget.
     """
-    _check_unwrapped(model, "plan")
-    leaf_modules = _check_leaf_modules(model, leaf_modules, "plan")
-    config = _config(budget, strategy, cost_model, options, api="plan", leaf_modules=leaf_modules)
-    inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
-    with _training_mode(model):  # plan what is trained, also for a model in eval()
-        gm = _traced(model, leaf_modules, "plan")
-        if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
-            args, kwargs = _example_call(example_inputs)
-            captured = capture_call(model, args, kwargs)
-            gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
-        elif inputs is None:  # keyword inputs of a traced forward: its placeholders in order
-            bound = inspect.signature(model.forward).bind(**example_inputs)
-            bound.apply_defaults()
-            inputs = tuple(bound.arguments.values())
-        if config.plan is not None:
-            return _saved_plan(gm, inputs, config, "the plan passed to fxremat.plan")
-        return _plan_traced(gm, inputs, config)[0]
+    return planned(model, budget, example_inputs=example_inputs, strategy=strategy, cost_model=cost_model,
+                   leaf_modules=leaf_modules, api="plan", **options).plan
 
 
 def _traced(model: torch.nn.Module, leaf_modules, api: str) -> fx.GraphModule | None:
@@ -533,8 +589,10 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
                         rotor_slots=config.rotor_slots)
     else:
         rtime, peak, schedule, plan_ = best
-        choice = Choice(schedule, plan_.strategy, plan_.objective, target, baseline, peak, rtime, 0.0,
-                        plan_.num_lower_sets, tuple(n for n in plan_.notes if n != _REUSED) + (_REUSED,))
+        choice = Choice(schedule=schedule, strategy=plan_.strategy, objective=plan_.objective, budget_bytes=target,
+                        baseline_peak_bytes=baseline, peak_bytes=peak, recompute_time=rtime, solve_seconds=0.0,
+                        num_lower_sets=plan_.num_lower_sets,
+                        notes=tuple(n for n in plan_.notes if n != _REUSED) + (_REUSED,))
     return _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs), key=graph_key(gm, inputs))
 
 
@@ -595,14 +653,14 @@ class _State:
                 "shapes. (Shown once.)", stacklevel=4)
         self.planned.add(hash(key))
         layout = _layout(key)
-        if self.config.plan is not None:  # a saved plan: checked and re-derived, no solving
-            the_plan = _saved_plan(self.traced, inputs, self.config, "the plan passed to fxremat.compile")
-        elif layout in self.timed:
+        if self.config.plan is None and layout in self.timed:
             kept = [entry[0] for (lay, _), entry in self.emitted.items() if lay == layout]
             the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept)
             self.timed.move_to_end(layout)
         else:
-            the_plan, self.timed[layout] = _plan_traced(self.traced, inputs, self.config)
+            the_plan, costs = _plan_graph(self.traced, inputs, self.config, "the plan passed to fxremat.compile")
+            if costs is not None:
+                self.timed[layout] = costs
             while len(self.timed) > self.config.max_plans:
                 self.timed.popitem(last=False)
         return (the_plan, *self._emitted(layout, the_plan))
@@ -621,18 +679,13 @@ class _State:
         return entry[1:]
 
     def __deepcopy__(self, memo):
+        # Everything, emitted modules included (what each segment restores is in their code);
+        # pickling alone drops them (__getstate__).
         import copy
 
         new = object.__new__(_State)
         memo[id(self)] = new
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        # GraphModule.__deepcopy__ keeps only module state and .meta: carry over each segment's
-        # mutated buffers, without which a recomputation updates BatchNorm statistics again.
-        for entry, copied in zip([*self.cache.values(), *self.emitted.values()],
-                                 [*new.cache.values(), *new.emitted.values()]):
-            for name, seg in entry[1].named_modules():
-                if hasattr(seg, MUTATED_BUFFERS_ATTR):
-                    setattr(copied[1].get_submodule(name), MUTATED_BUFFERS_ATTR, getattr(seg, MUTATED_BUFFERS_ATTR))
         return new
 
     def __getstate__(self):
@@ -834,10 +887,7 @@ class RematModule(torch.nn.Module):
                     captured = capture_call(state.model, args, kwargs)
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))
-                if state.config.plan is not None:
-                    the_plan = _saved_plan(gm, inputs, state.config, "the plan passed to fxremat.compile")
-                else:
-                    the_plan = _plan_traced(gm, inputs, state.config)[0]
+                the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile")
             emitted = _emit(gm, the_plan)
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",

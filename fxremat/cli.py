@@ -27,15 +27,12 @@ import warnings
 
 import torch
 
-from .api import _emit, _plan_from, emitted_code, node_infos
+from .api import cost_graph, planned
 from .budget import parse_budget
 from .errors import InfeasibleBudgetError, TraceError, format_bytes
-from .passes.lower import build_graph
-from .identity import graph_key
 from .measure import default_loss, measure_peak
-from .passes.profile import COST_MODELS, preserved_state, profile
-from .passes.trace import trace
-from .planner import DEFAULT_EXACT_CAP, STRATEGIES, choose, tradeoff, write_csv
+from .passes.profile import COST_MODELS, preserved_state
+from .planner import DEFAULT_EXACT_CAP, STRATEGIES, tradeoff, write_csv
 from .plots import plot_timeline, plot_tradeoff
 
 __all__ = ["main", "build_parser"]
@@ -289,17 +286,6 @@ class _StageHandler(logging.Handler):
             self.progress.advance()
 
 
-def _profiled(args, model, inputs, progress: _Progress):
-    """Trace and profile: ``(gm, costs, graph)``."""
-    progress.stage("tracing")
-    gm = trace(model)
-    progress.advance()
-    progress.stage(f"profiling {sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes")
-    costs = profile(gm, inputs, cost_model=_cost_model(args))
-    progress.advance()
-    return gm, costs, build_graph(gm, costs)
-
-
 def _shapes(args) -> str:
     return ", ".join("x".join(map(str, shape)) for shape, _ in args.input)
 
@@ -313,17 +299,13 @@ def cmd_plan(args) -> int:
     _check_outputs(args, "code", "json", "plot")
     if args.plot:
         _need_matplotlib()
-    with _fake_mode(args), _Progress(4, quiet=args.quiet) as progress:
+    # trace, profile, solve (and emit): stages from the library's log records
+    with _fake_mode(args), _Progress(3 + bool(args.code), quiet=args.quiet) as progress, _library_info(progress):
         model, inputs = _build(args)
-        gm, costs, graph = _profiled(args, model, inputs, progress)
-        progress.stage("solving")
-        choice = choose(graph, args.budget, strategy=args.strategy, exact_cap=args.exact_cap)
-        progress.advance()
-        the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
-                              key=graph_key(gm, inputs))
-        progress.stage("emitting")
-        code = emitted_code(_emit(gm, the_plan), type(model).__name__) if args.code else None
-        progress.advance()
+        result = planned(model, args.budget, example_inputs=inputs, strategy=args.strategy,
+                         cost_model=_cost_model(args), exact_cap=args.exact_cap, api="cli")
+        the_plan = result.plan
+        code = result.code(type(model).__name__) if args.code else None
     print(f"fxremat plan {args.model} on {_shapes(args)} ({args.device}{', fake' if args.fake else ''})\n")
     print(the_plan.summary())
     if args.explain:
@@ -372,11 +354,12 @@ def cmd_tradeoff(args) -> int:
         _need_matplotlib()
     with _fake_mode(args), _Progress(2 + args.points, quiet=args.quiet) as progress:
         model, inputs = _build(args)
-        gm, costs, graph = _profiled(args, model, inputs, progress)
+        with _library_info(progress):
+            graph = cost_graph(model, example_inputs=inputs, cost_model=_cost_model(args), api="cli")
         progress.stage("solving")
         points = tradeoff(graph, points=args.points, strategy=args.strategy, exact_cap=args.exact_cap,
                           on_point=progress.advance)
-    print(f"fxremat tradeoff {args.model} on {_shapes(args)}: {graph.n} nodes, cost model {costs.cost_model}, "
+    print(f"fxremat tradeoff {args.model} on {_shapes(args)}: {graph.n} nodes, cost model {_cost_model(args)}, "
           f"{len(points)} plan{'s' * (len(points) != 1)} on the Pareto curve\n")
     print(_tradeoff_table(points))
     if args.csv:

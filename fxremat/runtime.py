@@ -3,8 +3,9 @@
 ``recompute(segment, *inputs)`` runs a segment under non-reentrant
 ``torch.utils.checkpoint.checkpoint``: its interior is dropped after the forward and recomputed
 just before its backward, with the RNG state (dropout masks) and autocast state of the original
-forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``)
-are restored after the recomputation, so they are updated exactly once per step.
+forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
+named in the call (``restore=``, so they are part of the emitted code and travel with it through
+``copy.deepcopy``), are restored after the recomputation: they are updated exactly once per step.
 
 :func:`attribute_bindings` and :func:`rebind` keep the ``get_attr`` values of GraphModules
 derived from a model (parameters and buffers used outside a submodule call, held by copies of
@@ -21,15 +22,11 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "MUTATED_BUFFERS_ATTR", "attribute_bindings", "rebind"]
-
-# Attribute of a segment GraphModule listing the qualified names of the buffers it mutates.
-MUTATED_BUFFERS_ATTR = "_fxremat_mutated_buffers"
+__all__ = ["recompute", "attribute_bindings", "rebind"]
 
 
 @contextlib.contextmanager
-def _restore_buffers(segment: torch.nn.Module):
-    names = getattr(segment, MUTATED_BUFFERS_ATTR, ())
+def _restore_buffers(segment: torch.nn.Module, names: tuple[str, ...]):
     buffers = [segment.get_buffer(name) for name in names]
     with torch.no_grad():
         saved = [b.clone() for b in buffers]
@@ -41,12 +38,14 @@ def _restore_buffers(segment: torch.nn.Module):
                 b.copy_(old)
 
 
-def _contexts(segment: torch.nn.Module):
-    return contextlib.nullcontext(), _restore_buffers(segment)
+def _contexts(segment: torch.nn.Module, restore: tuple[str, ...]):
+    return contextlib.nullcontext(), _restore_buffers(segment, restore)
 
 
-def recompute(segment: torch.nn.Module, *inputs):
-    """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward.
+def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = ()):
+    """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward;
+    ``restore``: the qualified names (in ``segment``) of the buffers it mutates, put back after
+    its recomputation.
 
     Under ``torch.compile`` Dynamo turns the checkpoint into its own higher-order op, which takes
     no custom ``context_fn``; none is needed there, since AOTAutograd recomputes the functionalized
@@ -54,7 +53,7 @@ def recompute(segment: torch.nn.Module, *inputs):
     """
     if torch.compiler.is_compiling():
         return checkpoint(segment, *inputs, use_reentrant=False)
-    return checkpoint(segment, *inputs, use_reentrant=False, context_fn=lambda: _contexts(segment))
+    return checkpoint(segment, *inputs, use_reentrant=False, context_fn=lambda: _contexts(segment, restore))
 
 
 def attribute_bindings(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:

@@ -1,7 +1,8 @@
 """Emit the recomputing ``GraphModule`` for a schedule: :func:`rewrite`.
 
 Every recomputed segment V_i becomes a submodule ``seg_<i>`` (a GraphModule holding exactly
-V_i's nodes) called as ``recompute(self.seg_<i>, *inputs)`` in the top-level code; the last
+V_i's nodes) called as ``recompute(self.seg_<i>, *inputs, restore=(...))`` in the top-level
+code, ``restore`` naming the buffers the segment mutates (put back after its recomputation); the last
 segment's nodes run inline, plainly. Inputs of a segment are the values it reads from earlier
 segments or graph inputs; its outputs are the values later segments or the graph output read.
 The input GraphModule is not modified; submodules, parameters and buffers are shared with it.
@@ -18,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..runtime import MUTATED_BUFFERS_ATTR, recompute
+from ..runtime import recompute
 
 __all__ = ["rewrite"]
 
@@ -39,7 +40,7 @@ def _segment_io(graph: fx.Graph, members: set[fx.Node]) -> tuple[list[fx.Node], 
     return inputs, outputs
 
 
-def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, mutated) -> fx.GraphModule:
+def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for a in inputs:
@@ -52,9 +53,7 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs, m
     # A segment whose values nothing reads still runs (for its side effects) and returns ().
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))
     graph.lint()
-    seg = fx.GraphModule(gm, graph, "Segment")
-    setattr(seg, MUTATED_BUFFERS_ATTR, tuple(sorted(mutated)))
-    return seg
+    return fx.GraphModule(gm, graph, "Segment")
 
 
 def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]],
@@ -109,18 +108,18 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None)
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
     name = f"seg_{i}"
-    seg = _segment_module(gm, members, inputs, outputs, mutated)
+    seg = _segment_module(gm, members, inputs, outputs)
     if nested is not None:
         sub_segments, sub_recomputed, sub_inner = nested
         flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner)
         for buffer in mutated:  # restored around this segment's recomputation: reachable from it
             _attach(seg, flat, buffer.rpartition(".")[0])
-        setattr(seg, MUTATED_BUFFERS_ATTR, tuple(sorted(mutated)))
     attrs[name] = seg
     fn = top.get_attr(name)
     args = (fn, *[env[a] for a in inputs])
     call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
-    call = top.create_node("call_function", recompute, args, name=call_name)
+    kwargs = {"restore": tuple(sorted(mutated))} if mutated else {}
+    call = top.create_node("call_function", recompute, args, kwargs, name=call_name)
     if len(outputs) == 1:
         env[outputs[0]] = call
         return
