@@ -259,3 +259,16 @@ def test_stage_shows_its_running_time(monkeypatch):
         progress._since -= 5  # as if the stage had run for five seconds
         progress._describe(refresh=True)
     assert "profiling 12 nodes 5s" in term.getvalue()
+
+
+def test_plan_bar_shows_the_library_stages(in_tests, monkeypatch, tmp_path):
+    """``fxremat plan`` runs the library's pipeline (fxremat.api.planned): its stages reach the bar."""
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(cli._Progress, "DELAY_S", 0.0)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    code = tmp_path / "code.py"
+    assert cli.main(["plan", *MODEL, "--budget", "min", "--code", str(code)]) == 0
+    for stage in ("tracing", "profiling", "solving", "emitting"):
+        assert stage in term.getvalue(), stage
+    assert "fxremat_runtime_recompute(seg_" in code.read_text()

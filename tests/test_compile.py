@@ -118,7 +118,7 @@ def test_saved_plan_is_reused_without_solving_and_checked(tmp_path, monkeypatch)
     def no_solving(*args, **kwargs):
         raise AssertionError("a saved plan must not be solved again")
 
-    monkeypatch.setattr(fxremat.api, "_plan_traced", no_solving)
+    monkeypatch.setattr(fxremat.api, "choose", no_solving)
     compiled = fxremat.compile(model, 0.5, example_inputs=(x,), plan=loaded)
     # re-derived from the current graph (mutated buffers, peaks), but the same decision
     assert compiled.plan.segments == loaded.segments
