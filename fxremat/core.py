@@ -51,6 +51,10 @@ class CostGraph:
     more call nodes read (tied weights, a module called twice): autograd holds its gradient from
     the backward of its first reader (in backward order) to that of its last.
 
+    The checkpoint mechanism's own time, in ``time`` units: ``checkpoint_time`` per recomputed
+    segment and ``saving_node_time`` per node of it that saves tensors (saved-tensor hooks, RNG
+    state, recomputation bookkeeping; 0 when the costs are not measured on a clock).
+
     The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to allocate
     while the backward starts; ``loss_output`` the index of a one-element differentiable output
     when the model returns its loss (Hugging Face models given ``labels=``), from which alone the
@@ -76,6 +80,8 @@ class CostGraph:
     shared_params: tuple[tuple[int, tuple[int, ...]], ...]
     loss_bytes: int
     loss_output: int | None
+    checkpoint_time: int
+    saving_node_time: int
     time_unit: float
     step_cost: float
     cost_unit: str

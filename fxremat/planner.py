@@ -19,7 +19,7 @@ from .errors import InfeasibleBudgetError
 from .core import CostGraph, Schedule
 from .lowersets import all_lower_sets, pruned_family
 from .records import PLAN_STRATEGIES
-from .simulate import rerun_time, simulate
+from .simulate import mechanism_time, rerun_time, simulate
 from . import _kernels
 from .solvers import chen, hong, kusumoto, rotor
 from .solvers.chain import chain_costs, chain_stages, schedule_from_nested
@@ -88,9 +88,11 @@ def _family(graph: CostGraph, strategy: str, cap: int | None) -> tuple[list[int]
 
 
 def recompute_time(graph: CostGraph, sched: Schedule) -> int:
-    """Forward cost run again in the backward: every recomputed segment up to torch's early
-    stop, plus what its nested checkpoints run again (:func:`~fxremat.simulate.rerun_time`)."""
-    return sum(rerun_time(graph, seg, sched.inner_of(i))
+    """What the schedule adds to a step: the forward cost run again in the backward (every
+    recomputed segment up to torch's early stop, plus what its nested checkpoints run again,
+    :func:`~fxremat.simulate.rerun_time`) and the checkpoint mechanism's own time
+    (:func:`~fxremat.simulate.mechanism_time`)."""
+    return sum(rerun_time(graph, seg, sched.inner_of(i)) + mechanism_time(graph, seg, sched.inner_of(i))
                for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)) if rec)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from .core import CostGraph, Schedule, Timeline, exits
 
-__all__ = ["simulate", "predicted_timeline", "rerun_time"]
+__all__ = ["simulate", "predicted_timeline", "rerun_time", "mechanism_time"]
 
 
 class _Grads:
@@ -240,6 +240,17 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
                     found = (pos + k, v in graph.saved[v] or graph.extra_bytes[v] > 0)
         pos += len(sub)
     return found
+
+
+def mechanism_time(graph: CostGraph, seg, inner: Schedule | None = None) -> int:
+    """The checkpoint mechanism's time for a checkpoint over ``seg`` (``graph.checkpoint_time``
+    plus ``graph.saving_node_time`` per node whose forward saves tensors), nested checkpoints
+    (``inner``) included."""
+    total = graph.checkpoint_time + graph.saving_node_time * sum(_packs(graph, v) for v in seg)
+    for i, (sub, rec) in enumerate(zip(inner.segments, inner.recomputed) if inner else ()):
+        if rec:
+            total += mechanism_time(graph, sub, inner.inner_of(i))
+    return total
 
 
 def rerun_time(graph: CostGraph, seg, inner: Schedule | None = None) -> int:

@@ -82,6 +82,8 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         shared_params=shared,
         loss_bytes=0 if loss_output is not None else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
         loss_output=loss_output,
+        checkpoint_time=round(costs.checkpoint_cost / unit),
+        saving_node_time=round(costs.saving_node_cost / unit),
         time_unit=unit,
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,

@@ -1,0 +1,162 @@
+"""Time truth: where the time of a compiled step goes, and the predicted overhead beside the
+measured one (issue 15).
+
+For each net and budget, four variants of one model are timed side by side, interleaved (a step
+of each in turn, each timed right after an untimed one of its own; medians over ``--repeats``):
+
+- ``plain``: the model itself;
+- ``none``: ``fxremat.compile(model, 1.0)`` — traced, nothing recomputed: what tracing, the
+  out-of-place rewrite of in-place ops and ``RematModule``'s dispatch cost;
+- ``segmented``: the plan's emitted GraphModule with every ``recompute(seg, ...)`` call replaced by
+  a plain ``seg(...)`` call — the plan's structure without checkpoints;
+- ``compiled``: ``fxremat.compile(model, budget)``.
+
+The breakdown of ``compiled - plain``: *trace and dispatch* = none - plain; *segment structure* =
+segmented - none; *recomputed forward* = the forward of every recomputed segment, timed alone
+with the inputs it gets in a step (grad mode on, as the recomputation runs it); *checkpoint
+mechanism* = compiled - segmented - recomputed forward (saved-tensor hooks, RNG state, buffer
+restore, early-stop bookkeeping, allocator effects). All as fractions of the plain step.
+
+    PYTHONPATH=. python -m benchmarks.time_truth            # CPU, writes benchmarks/results/time_truth.md
+    PYTHONPATH=. python -m benchmarks.time_truth --quick    # one budget per net, fewer repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.fx as fx
+
+import fxremat
+from fxremat.runtime import recompute
+
+from .harness import add_machine_options, load_average, set_up_machine, step, timed_step, with_grads
+from .nets import resnet_chain, transformer_stack
+
+BUDGETS = (0.6, 0.4, "min")
+
+
+def _nets():
+    from examples import unet
+
+    return [
+        ("resnet_chain16", lambda: resnet_chain(depth=16), (4, 3, 64, 64)),
+        ("unet", unet.build_model, (4, 3, 128, 128)),
+        ("transformer4", lambda: transformer_stack(depth=4, dim=64, heads=4), (4, 128, 64)),
+    ]
+
+
+def _plain_call(segment, *inputs, restore=()):
+    return segment(*inputs)
+
+
+def without_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of an emitted GraphModule whose ``recompute(seg, ...)`` calls (nested ones too)
+    call ``seg(...)`` plainly."""
+    gm = copy.deepcopy(gm)
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op == "call_function" and node.target is recompute:
+                    node.target = _plain_call
+            module.recompile()
+    return gm
+
+
+def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int) -> float:
+    """Seconds the forwards of the top-level recomputed segments take when run alone on the
+    inputs a step gives them (median over ``repeats`` of their sum)."""
+    calls = []
+
+    def recording(segment, *inputs, restore=()):
+        calls.append((segment, [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t
+                                for t in inputs]))
+        return recompute(segment, *inputs, restore=restore)
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is recompute:
+            node.target = recording
+    probe = fx.GraphModule(gm, graph)
+    step(probe, x)
+    states = [{k: v.clone() for k, v in seg.state_dict().items()} for seg, _ in calls]
+    totals = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for seg, inputs in calls:
+            seg(*inputs)
+        totals.append(time.perf_counter() - start)
+    for (seg, _), state in zip(calls, states):  # the timing runs updated BatchNorm statistics
+        seg.load_state_dict(state)
+    return statistics.median(totals)
+
+
+def measure(name, build, shape, budget, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = build().train()
+    x = torch.randn(*shape)
+    plain = with_grads(copy.deepcopy(model))
+    none = with_grads(fxremat.compile(copy.deepcopy(model), 1.0, example_inputs=(x,)))
+    compiled = with_grads(fxremat.compile(copy.deepcopy(model), budget, example_inputs=(x,)))
+    segmented = without_checkpoints(compiled.graph_module)
+    variants = {"plain": plain, "none": none, "segmented": segmented, "compiled": compiled}
+    times = {k: [] for k in variants}
+    for _ in range(repeats):
+        for label, m in variants.items():
+            times[label].append(timed_step(m, x))
+    t = {k: statistics.median(v) for k, v in times.items()}
+    rec = recomputed_forward_seconds(compiled.graph_module, x, repeats)
+    plan = compiled.plan
+    p = t["plain"]
+    return {
+        "net": name, "budget": budget, "plain_ms": 1e3 * p, "predicted": plan.predicted_overhead,
+        "measured": t["compiled"] / p - 1, "none": t["none"] / p - 1,
+        "structure": (t["segmented"] - t["none"]) / p, "recompute": rec / p,
+        "mechanism": (t["compiled"] - t["segmented"] - rec) / p,
+        "segments": sum(s.recomputed for s in plan.segments), "strategy": plan.strategy,
+        "restored": sum(len(n.mutated_buffers) for n in plan.nodes
+                        if any(n.name in s.nodes for s in plan.segments if s.recomputed)),
+    }
+
+
+def _table(rows) -> str:
+    lines = ["| net | budget | strategy | recomputed segs | plain ms | predicted | measured | nothing recomputed "
+             "(none) | segment structure | recomputed forward | checkpoint mechanism |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['net']} | {r['budget']} | {r['strategy']} | {r['segments']} | {r['plain_ms']:.1f} "
+                     f"| {r['predicted']:+.1%} | {r['measured']:+.1%} | {r['none']:+.1%} | {r['structure']:+.1%} "
+                     f"| {r['recompute']:+.1%} | {r['mechanism']:+.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="budget 0.4 only, 5 repeats")
+    parser.add_argument("--repeats", type=int, default=11)
+    add_machine_options(parser)
+    args = parser.parse_args(argv)
+    machine = set_up_machine(parser, args, "benchmarks.time_truth")
+    budgets = (0.4,) if args.quick else BUDGETS
+    repeats = 5 if args.quick else args.repeats
+    rows = []
+    for name, build, shape in _nets():
+        for budget in budgets:
+            row = measure(name, build, shape, budget, repeats)
+            print(_table([row]).splitlines()[-1], flush=True)
+            rows.append(row)
+    text = (f"# Time truth: predicted vs measured overhead, and where the time goes\n\n{machine.environment()}  \n"
+            f"load average at the end: {load_average()}\n\n"
+            f"Fractions of the plain step (medians of {repeats} interleaved steps; see the script's docstring for "
+            f"the variants).\n\n{_table(rows)}\n")
+    path = machine.out / ("time_truth_quick.md" if args.quick else "time_truth.md")
+    path.write_text(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
