@@ -15,7 +15,9 @@ The breakdown of ``compiled - plain``: *trace and dispatch* = none - plain; *seg
 segmented - none; *recomputed forward* = the forward of every recomputed segment, timed alone
 with the inputs it gets in a step (grad mode on, as the recomputation runs it); *checkpoint
 mechanism* = compiled - segmented - recomputed forward (saved-tensor hooks, RNG state, buffer
-restore, early-stop bookkeeping, allocator effects). All as fractions of the plain step.
+restore, early-stop bookkeeping, allocator effects; for a rotor plan with nested checkpoints also
+the nested recomputations, which the top-level forward does not repeat). All as fractions of the
+plain step.
 
     PYTHONPATH=. python -m benchmarks.time_truth            # CPU, writes benchmarks/results/time_truth.md
     PYTHONPATH=. python -m benchmarks.time_truth --quick    # one budget per net, fewer repeats

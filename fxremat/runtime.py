@@ -27,7 +27,7 @@ __all__ = ["recompute", "attribute_bindings", "rebind"]
 
 @contextlib.contextmanager
 def _restore_buffers(segment: torch.nn.Module, names: tuple[str, ...]):
-    buffers = [segment.get_buffer(name) for name in names]
+    buffers = [b for name in names for b in _named(segment, name)]
     with torch.no_grad():
         saved = [b.clone() for b in buffers]
     try:
@@ -38,14 +38,23 @@ def _restore_buffers(segment: torch.nn.Module, names: tuple[str, ...]):
                 b.copy_(old)
 
 
+def _named(segment: torch.nn.Module, name: str) -> list[torch.Tensor]:
+    """The buffer ``name`` of ``segment``, or every buffer of its submodule ``name``."""
+    prefix, _, last = name.rpartition(".")
+    owner = segment.get_submodule(prefix)
+    if last in owner._buffers:
+        return [owner._buffers[last]]
+    return list(segment.get_submodule(name).buffers(recurse=False))
+
+
 def _contexts(segment: torch.nn.Module, restore: tuple[str, ...]):
     return contextlib.nullcontext(), _restore_buffers(segment, restore)
 
 
 def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = ()):
     """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward;
-    ``restore``: the qualified names (in ``segment``) of the buffers it mutates, put back after
-    its recomputation.
+    ``restore``: what it mutates, put back after its recomputation — qualified names (in
+    ``segment``) of buffers, or of submodules all of whose own buffers it mutates (a BatchNorm).
 
     Under ``torch.compile`` Dynamo turns the checkpoint into its own higher-order op, which takes
     no custom ``context_fn``; none is needed there, since AOTAutograd recomputes the functionalized

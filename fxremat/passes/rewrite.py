@@ -118,13 +118,27 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None)
     fn = top.get_attr(name)
     args = (fn, *[env[a] for a in inputs])
     call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
-    kwargs = {"restore": tuple(sorted(mutated))} if mutated else {}
+    kwargs = {"restore": _restore_names(gm, mutated)} if mutated else {}
     call = top.create_node("call_function", recompute, args, kwargs, name=call_name)
     if len(outputs) == 1:
         env[outputs[0]] = call
         return
     for k, o in enumerate(outputs):
         env[o] = top.create_node("call_function", operator.getitem, (call, k), name=o.name)
+
+
+def _restore_names(gm: fx.GraphModule, mutated: set[str]) -> tuple[str, ...]:
+    """``mutated`` (buffer names) as the emitted code names them: a module whose own buffers are
+    all in it by its path (``'down.0.1'`` for a BatchNorm's three), other buffers by name."""
+    by_module: dict[str, set[str]] = {}
+    for name in mutated:
+        prefix, _, last = name.rpartition(".")
+        by_module.setdefault(prefix, set()).add(last)
+    names = []
+    for prefix, owned in by_module.items():
+        own = set(gm.get_submodule(prefix)._buffers)
+        names += [prefix] if prefix and owned == own else [f"{prefix}.{b}" if prefix else b for b in owned]
+    return tuple(sorted(names))
 
 
 def _attach(dst: torch.nn.Module, src: torch.nn.Module, path: str) -> None:
