@@ -23,6 +23,7 @@ import sys
 from array import array
 
 from . import _kernels
+from .core import ancestor_masks
 
 __all__ = ["all_lower_sets", "pruned_family", "bits", "popcount", "words", "pack", "unpack",
            "enumerate_lower_sets"]
@@ -192,11 +193,5 @@ def pruned_family(preds, *, anchor=None) -> list[int]:
 
 
 def _pruned(preds) -> list[int]:
-    ancestors: list[int] = []
-    for v, ps in enumerate(preds):
-        mask = 1 << v
-        for p in ps:
-            mask |= ancestors[p]
-        ancestors.append(mask)
     full = (1 << len(preds)) - 1
-    return [0, full, *ancestors]
+    return [0, full, *ancestor_masks(preds)]
