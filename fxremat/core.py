@@ -15,7 +15,7 @@ from functools import cached_property
 
 import networkx as nx
 
-__all__ = ["CostGraph", "Schedule", "Timeline", "anchors", "order_edges", "exits", "boundary", "ancestor_masks",
+__all__ = ["CostGraph", "Schedule", "Timeline", "anchors", "merged_anchors", "order_edges", "exits", "boundary", "ancestor_masks",
            "to_networkx", "save_graph", "load_graph", "TIME_RESOLUTION"]
 
 # Forward costs are scaled to integers summing to about this many units, so that solvers work
@@ -204,6 +204,38 @@ def anchors(preds, owns_storage) -> tuple[int, ...]:
     for v, ps in enumerate(preds):
         head.append(v if owns_storage[v] or not ps else max(head[p] for p in ps))
     return tuple(head)
+
+
+def merged_anchors(preds, anchor, together) -> tuple[int, ...]:
+    """``anchor`` with each node set of ``together`` tied into one group, with every node on a
+    path between two of its members (the convex hull, so the quotient DAG stays acyclic); the
+    group's head is its first node. For values written in place through a view, whose readers
+    and writers only keep their traced order when they run in one segment."""
+    head = list(anchor)
+    succs = _successors(preds)
+    for nodes in together:
+        groups = {head[v] for v in nodes}
+        while True:
+            members = [v for v in range(len(head)) if head[v] in groups]
+            below = _closure(members, succs)
+            hull = {v for v in _closure(members, preds) if v in below}
+            grown = groups | {head[v] for v in hull}
+            if grown == groups:
+                break
+            groups = grown
+        first = min(groups)
+        head = [first if h in groups else h for h in head]
+    return tuple(head)
+
+
+def _closure(start, edges) -> set[int]:
+    seen, stack = set(start), list(start)
+    while stack:
+        for w in edges[stack.pop()]:
+            if w not in seen:
+                seen.add(w)
+                stack.append(w)
+    return seen
 
 
 def _reaches(gpreds: dict, start: int, target: int) -> bool:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import brute_dp as brute
 from fxremat import _kernels
-from fxremat.core import CostGraph, anchors, load_graph
+from fxremat.core import CostGraph, anchors, load_graph, merged_anchors
 from fxremat.lowersets import all_lower_sets, enumerate_lower_sets, pruned_family
 from fxremat.solvers import kusumoto
 
@@ -223,6 +223,26 @@ def test_lower_sets_are_antichain_closures(dp_impl, graph):
     expected = sorted((m for m in closures if tie_consistent(graph, m)), key=lambda m: (m.bit_count(), m))
     assert exact_family(graph) == expected
     assert set(approx_family(graph)) <= set(expected)
+
+
+@FAST
+@given(cost_graphs(max_nodes=10, min_nodes=1), st.data())
+def test_merged_groups_are_convex_and_acyclic(graph, data):
+    """merged_anchors ties a node set into one group with everything on paths between its
+    members: old groups stay whole, heads come first, the quotient stays acyclic (networkx),
+    and every lower set of the new groups keeps the set together."""
+    together = data.draw(st.sets(st.integers(0, graph.n - 1), min_size=2, max_size=4)) if graph.n >= 2 else set()
+    head = merged_anchors(graph.preds, graph.anchor, [sorted(together)] if together else [])
+    assert len({head[v] for v in together}) <= 1
+    for v, a in enumerate(graph.anchor):
+        assert head[v] == head[a] and head[v] <= v and head[head[v]] == head[v]
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(graph.n))
+    dag.add_edges_from((p, v) for v, ps in enumerate(graph.preds) for p in ps)
+    quotient = nx.quotient_graph(dag, lambda u, v: head[u] == head[v])
+    assert nx.is_directed_acyclic_graph(quotient)
+    for mask in all_lower_sets(graph.preds, anchor=head):
+        assert len({mask >> v & 1 for v in together}) <= 1
 
 
 @FAST

@@ -2,18 +2,22 @@
 
 Call nodes are numbered in FX graph order; data edges follow ``all_input_nodes``; the ordering
 edges (:func:`fxremat.core.order_edges`) keep in traced order the consumers of each value, of
-each graph input and attribute, the calls of a shared module, the readers of a shared parameter
+each graph input and attribute, the calls of a shared module, the readers of a shared parameter,
 and the nodes that draw random numbers, so that every strategy gives bitwise-equal gradients and
-dropout masks.
+dropout masks. The nodes holding an activation that some node writes in place (the value, its
+views, the in-place results) are tied into one group (:func:`fxremat.core.merged_anchors`),
+and they and their readers are kept in traced order: a write through a view
+(``zeros[:, 1:].copy_(ids)`` in a captured graph) is not ordered before the later readers of
+``zeros`` by any data edge.
 """
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from ..core import TIME_RESOLUTION, CostGraph, anchors, order_edges
+from ..core import TIME_RESOLUTION, CostGraph, anchors, merged_anchors, order_edges
 from .profile import GraphCosts
-from .trace import CALL_OPS
+from .trace import CALL_OPS, writes_in_place
 
 __all__ = ["build_graph", "LOSS_OUTPUT_COPIES"]
 
@@ -59,9 +63,11 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
     shared = _shared_params(gm, node_costs)
     scalars = [r for r in out_roots if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
     loss_output = scalars[0] if len(scalars) == 1 else None
-    anchor = anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs])
+    written = _written_storages(gm, calls, node_costs, index)
+    anchor = merged_anchors(preds, anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
+                            [holders for holders, _ in written])
     chains = ((tuple(v for v, c in enumerate(node_costs) if c.uses_rng),) + _order_chains(gm.graph, index)
-              + tuple(readers for _, readers in shared))
+              + tuple(readers for _, readers in shared) + tuple(touched for _, touched in written))
     return CostGraph(
         names=tuple(n.name for n in calls),
         preds=preds,
@@ -99,6 +105,27 @@ def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[int, tuple[int
     params = dict(gm.named_parameters())
     return tuple((params[name].numel() * params[name].element_size(), tuple(r))
                  for name, r in readers.items() if len(r) >= 2)
+
+
+def _written_storages(gm: fx.GraphModule, calls, node_costs, index: dict):
+    """For each activation storage that a node writes in place: ``(holders, touched)``, the
+    nodes holding it (the value, its views, the in-place results) and those plus every node
+    reading one of them. Data edges alone do not order a write through a view before the readers
+    of the base (``zeros[:, 1:].copy_(ids)``; later readers read ``zeros``): the holders are tied
+    into one group, and everything touched is kept in traced order."""
+    holders: dict[str, list[int]] = {}
+    for v, c in enumerate(node_costs):
+        if c.root:  # "" is a graph input's or an attribute's storage: ordered by _order_chains
+            holders.setdefault(c.root, []).append(v)
+    written = []
+    for members in holders.values():
+        if not any(writes_in_place(gm, calls[v]) for v in members):
+            continue
+        touched = set(members)
+        for v in members:
+            touched.update(index[u.name] for u in calls[v].users if u.name in index)
+        written.append((tuple(members), tuple(sorted(touched))))
+    return written
 
 
 def _order_chains(graph: fx.Graph, index: dict) -> tuple[tuple[int, ...], ...]:

@@ -48,7 +48,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -610,6 +610,16 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node):
         if node.target in _INPLACE_METHODS:
             return "method", node.args[0]
     return None
+
+
+def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` writes one of its inputs in place: an aten op whose schema marks an
+    argument written (``Tensor(a!)``: ``copy_``, ``fill_``, ``add_``, ``out=``), or an in-place
+    module, function, operator or method of traced code (:func:`_mutated_input`)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return True
+    return _mutated_input(gm, node) is not None
 
 
 def _read_after(node: fx.Node, value: fx.Node) -> bool:
