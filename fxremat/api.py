@@ -226,22 +226,35 @@ def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[CostGr
         return build_graph(gm, costs), costs
 
 
-def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str) -> tuple[Plan, GraphCosts | None]:
+def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:
+    """The model's own plain peak where its plain code is not ``graph`` (a captured model,
+    ``plain_extra_bytes`` measured by :func:`fxremat.passes.capture.capture_call`): the graph's
+    predicted plain peak plus what the plain forward keeps beyond the graph's."""
+    if plain_extra_bytes is None:
+        return None
+    return simulate(graph, Schedule.plain(graph.n)) + plain_extra_bytes
+
+
+def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
+                plain_extra_bytes: int | None = None) -> tuple[Plan, GraphCosts | None]:
     """The pipeline after tracing, for :func:`compile`, :func:`plan` and the CLI: a saved plan
     (``config.plan``) checked and re-derived, or profile → lower → choose → :class:`Plan`.
+    ``plain_extra_bytes``: for a captured model, what its plain forward keeps beyond the graph's
+    (the baseline is the model's own, see :func:`_plain_peak`).
     Returns the plan and the profile its times came from (``None`` for a saved plan)."""
     if config.plan is not None:
-        return _saved_plan(gm, inputs, config, origin), None
+        return _saved_plan(gm, inputs, config, origin, plain_extra_bytes), None
     graph, costs = _lowered(gm, inputs, config)
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots)
+                        rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes))
     the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
                           key=graph_key(gm, inputs))
     return the_plan, costs
 
 
-def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str) -> Plan:
+def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
+                plain_extra_bytes: int | None = None) -> Plan:
     """``config.plan`` checked against this graph and re-derived from it: the graph key, every
     segment's nodes (each call node once, dependencies in order), then one profile of the
     current model (``"uniform"`` costs, or the plan's ``"flops"``: no timing) gives the mutated
@@ -255,7 +268,7 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str)
         costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
         graph = build_graph(gm, costs)
         schedule = plan_schedule(saved, graph, origin=origin)
-        baseline = simulate(graph, Schedule.plain(graph.n))
+        baseline = _plain_peak(graph, plain_extra_bytes) or simulate(graph, Schedule.plain(graph.n))
         peak = simulate(graph, schedule)
     target = config.budget.resolve(baseline)
     if target is None and saved.objective != "memory-centric":
@@ -352,19 +365,21 @@ class Planned:
         return emitted_code(self.emit(), title)
 
 
-def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules, api: str) -> tuple[fx.GraphModule, tuple]:
-    """``(graph module, its positional inputs)`` for ``model`` called with ``example_inputs``."""
+def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules,
+                 api: str) -> tuple[fx.GraphModule, tuple, int | None]:
+    """``(graph module, its positional inputs, plain_extra_bytes)`` for ``model`` called with
+    ``example_inputs``; the last is ``None`` for a traced model (see :func:`_plain_peak`)."""
     inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
     gm = _traced(model, leaf_modules, api)
     if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
         args, kwargs = _example_call(example_inputs)
         captured = capture_call(model, args, kwargs)
-        return captured.graph_module, captured.inputs(args, kwargs)
+        return captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
     if inputs is None:  # keyword inputs of a traced forward: its placeholders in order
         bound = inspect.signature(model.forward).bind(**example_inputs)
         bound.apply_defaults()
         inputs = tuple(bound.arguments.values())
-    return gm, inputs
+    return gm, inputs, None
 
 
 def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
@@ -376,8 +391,8 @@ def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(budget, strategy, cost_model, options, api=api, leaf_modules=leaf_modules)
     with _training_mode(model):  # plan what is trained, also for a model in eval()
-        gm, inputs = _traced_call(model, example_inputs, leaf_modules, api)
-        the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}")
+        gm, inputs, extra = _traced_call(model, example_inputs, leaf_modules, api)
+        the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}", extra)
     return Planned(gm, inputs, the_plan)
 
 
@@ -389,7 +404,7 @@ def cost_graph(model: torch.nn.Module, *, example_inputs, cost_model: str = "mea
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(1.0, "auto", cost_model, {"profile_repeats": profile_repeats}, api=api, leaf_modules=leaf_modules)
     with _training_mode(model):
-        gm, inputs = _traced_call(model, example_inputs, leaf_modules, api)
+        gm, inputs, _ = _traced_call(model, example_inputs, leaf_modules, api)
         return _lowered(gm, inputs, config)[0]
 
 
@@ -887,7 +902,8 @@ class RematModule(torch.nn.Module):
                     captured = capture_call(state.model, args, kwargs)
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))
-                the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile")
+                the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
+                                          captured.plain_extra_bytes)
             emitted = _emit(gm, the_plan)
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",

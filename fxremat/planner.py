@@ -264,8 +264,12 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots
 
 
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
-           rotor_slots: int = DEFAULT_ROTOR_SLOTS) -> Choice:
+           rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
+
+    ``plain_peak_bytes``: the model's own peak without fxremat, where it is not the graph's
+    (a captured model whose plain code takes other paths, see :mod:`fxremat.passes.capture`):
+    a fraction budget is a fraction of it, and it is the reported ``baseline_peak_bytes``.
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
     articulation chain, nested checkpoints), ``"chen"``, ``"hong"``, ``"sequential"`` (chain
@@ -275,13 +279,14 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     if strategy not in STRATEGIES:
         raise ValueError(f"fxremat: strategy must be one of {STRATEGIES}, got {strategy!r}")
     plain = Schedule.plain(graph.n)
-    baseline = simulate(graph, plain)
+    plain_peak = simulate(graph, plain)
+    baseline = plain_peak if plain_peak_bytes is None else plain_peak_bytes
     target = budget.resolve(baseline)
-    if strategy == "none" or (target is not None and target >= baseline):
-        if target is not None and target < baseline:
-            raise InfeasibleBudgetError(target, baseline)
-        return Choice(schedule=plain, strategy="none", objective="time-centric", budget_bytes=target or baseline,
-                      baseline_peak_bytes=baseline, peak_bytes=baseline, recompute_time=0, solve_seconds=0.0,
+    if strategy == "none" or (target is not None and target >= plain_peak):
+        if target is not None and target < plain_peak:
+            raise InfeasibleBudgetError(target, plain_peak)
+        return Choice(schedule=plain, strategy="none", objective="time-centric", budget_bytes=target or plain_peak,
+                      baseline_peak_bytes=baseline, peak_bytes=plain_peak, recompute_time=0, solve_seconds=0.0,
                       num_lower_sets=0)
     sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots)
     least = {name: src.least() for name, src in sources.items()}
