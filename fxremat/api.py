@@ -313,9 +313,10 @@ def _nested_args(segments):
 
 def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
     mutated = {n.name: n.mutated_buffers for n in the_plan.nodes}
+    random = {n.name for n in the_plan.nodes if n.draws_random}
     segments, recomputed, inner = _nested_args(the_plan.segments)
     with _stage("emitting", f"{sum(recomputed)} recomputed segments"):
-        return rewrite(gm, segments, recomputed, mutated, inner)
+        return rewrite(gm, segments, recomputed, mutated, inner, random=random)
 
 
 def _wrappers() -> list[tuple[type, str, str]]:
@@ -976,7 +977,7 @@ def node_infos(gm: fx.GraphModule, costs: GraphCosts) -> tuple[NodeInfo, ...]:
         source, code = _user_frame(node.meta.get("stack_trace") or "")
         infos.append(NodeInfo(name=node.name, out_bytes=cost.out_bytes, root=cost.root,
                               module=_module_of(gm, node) or cost.module, source=source, code=code,
-                              mutated_buffers=cost.mutated_buffers))
+                              mutated_buffers=cost.mutated_buffers, draws_random=cost.uses_rng))
     return tuple(infos)
 
 

@@ -60,7 +60,8 @@ class NodeInfo:
     ``module``: the qualified name and class of the submodule it runs in (``"down.0.1
     (BatchNorm2d)"``); ``source``: ``file:line`` of the user code that created it and ``code``
     that line's text; ``mutated_buffers``: buffers it updates (re-emitting a saved plan needs
-    them).
+    them); ``draws_random``: whether it draws random numbers (a recomputed segment holding one
+    restores the RNG state before its recomputation; others need not).
     """
 
     name: str
@@ -70,6 +71,7 @@ class NodeInfo:
     source: str = ""
     code: str = ""
     mutated_buffers: tuple[str, ...] = ()
+    draws_random: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,7 +302,7 @@ _EXPECTED = {_nonneg_int: "an int >= 0", _nonneg_number: "a finite number >= 0",
 _SEGMENT_FIELDS = {"nodes": _str_list, "recomputed": _is_bool, "kept": _str_list, "kept_bytes": _nonneg_int,
                    "recompute_cost": _nonneg_number}
 _NODE_FIELDS = {"name": _is_str, "out_bytes": _nonneg_int, "root": _is_str, "module": _is_str, "source": _is_str,
-                "code": _is_str, "mutated_buffers": _str_list}
+                "code": _is_str, "mutated_buffers": _str_list, "draws_random": _is_bool}
 _PLAN_FIELDS = {
     "strategy": _one_of(set(PLAN_STRATEGIES)), "objective": _one_of({"time-centric", "memory-centric"}),
     "budget_bytes": _nonneg_int, "baseline_peak_bytes": _nonneg_int, "predicted_peak_bytes": _nonneg_int,

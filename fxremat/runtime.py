@@ -2,8 +2,8 @@
 
 ``recompute(segment, *inputs)`` runs a segment under non-reentrant
 ``torch.utils.checkpoint.checkpoint``: its interior is dropped after the forward and recomputed
-just before its backward, with the RNG state (dropout masks) and autocast state of the original
-forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
+just before its backward, with the RNG state (dropout masks; segments emitted with ``rng=False``
+draw none) and autocast state of the original forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
 named in the call (``restore=``, so they are part of the emitted code and travel with it through
 ``copy.deepcopy``), are restored after the recomputation: they are updated exactly once per step.
 
@@ -51,18 +51,21 @@ def _contexts(segment: torch.nn.Module, restore: tuple[str, ...]):
     return contextlib.nullcontext(), _restore_buffers(segment, restore)
 
 
-def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = ()):
+def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = (), rng: bool = True):
     """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward;
     ``restore``: what it mutates, put back after its recomputation — qualified names (in
-    ``segment``) of buffers, or of submodules all of whose own buffers it mutates (a BatchNorm).
+    ``segment``) of buffers, or of submodules all of whose own buffers it mutates (a BatchNorm);
+    ``rng=False``: the segment draws no random numbers, so its recomputation need not save and
+    restore the RNG states (the emitted code says so where profiling found no random op).
 
     Under ``torch.compile`` Dynamo turns the checkpoint into its own higher-order op, which takes
     no custom ``context_fn``; none is needed there, since AOTAutograd recomputes the functionalized
     segment in the backward graph and applies buffer mutations once, in the forward.
     """
     if torch.compiler.is_compiling():
-        return checkpoint(segment, *inputs, use_reentrant=False)
-    return checkpoint(segment, *inputs, use_reentrant=False, context_fn=lambda: _contexts(segment, restore))
+        return checkpoint(segment, *inputs, use_reentrant=False, preserve_rng_state=rng)
+    return checkpoint(segment, *inputs, use_reentrant=False, preserve_rng_state=rng,
+                      context_fn=lambda: _contexts(segment, restore))
 
 
 def attribute_bindings(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:

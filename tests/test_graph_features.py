@@ -230,3 +230,60 @@ def test_baseline_of_a_captured_model_is_its_plain_peak():
     assert compiled.plan.baseline_peak_bytes - compiled.plan.predicted_peak_bytes > cache  # fits 0.5 of it
     assert compiled.plan.budget_bytes == int(0.5 * compiled.plan.baseline_peak_bytes)
     assert peak <= 1.05 * compiled.plan.budget_bytes
+
+
+@torch.fx.wrap
+def _jitter(x):
+    """Noise drawn inside a function torch.fx does not look into (no name says it is random)."""
+    return x + 0.1 * torch.randn_like(x)
+
+
+class NoisyTail(nn.Module):
+    """Six blocks; only the last ones draw random numbers (one through an opaque function)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(6))
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 3:
+                x = _jitter(x)
+            if i == 4:
+                x = F.dropout(x, 0.3)
+        return x
+
+
+def test_only_segments_that_draw_random_numbers_restore_the_rng_state():
+    """Random ops are found by aten's nondeterministic_seeded tag (an opaque function's
+    randn_like too): segments with one restore the RNG state (exact noise and masks), the
+    others are emitted with rng=False."""
+    torch.manual_seed(0)
+    plain, model = pair(NoisyTail())
+    x = torch.randn(64, 32)
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops", strategy="exact")
+    random = {n.name for n in compiled.plan.nodes if n.draws_random}
+    assert any(name.startswith("_jitter") for name in random) and any("dropout" in name for name in random)
+    calls = [n for n in compiled.graph_module.graph.nodes if n.op == "call_function" and n.target is fxremat.runtime.recompute]
+    segments = {n.args[0].target: n for n in calls}
+    flags = []
+    for seg_name, call in segments.items():
+        members = {n.name for n in getattr(compiled.graph_module, seg_name).graph.nodes}
+        flags.append(call.kwargs.get("rng", True))
+        assert flags[-1] == bool(members & random), seg_name
+    assert True in flags and False in flags
+    for m in (plain, compiled):
+        torch.manual_seed(1)
+        m(x).square().sum().backward()
+    assert_same_state(plain, compiled)
+
+
+def test_random_ops_are_found_on_fake_tensors():
+    """Fake tensors move no generator: the aten tag alone finds the opaque function's draw."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model, x = NoisyTail(), torch.randn(64, 32)
+        plan = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops")
+    assert [n.name for n in plan.nodes if n.draws_random] == ["_jitter", "dropout"]

@@ -15,8 +15,10 @@
   (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
   buffers, in every autograd node the call creates (``narrow``/``slice`` allocate their input's
   size; a ``Linear`` on 3-d inputs ends in a view but its ``addmm`` allocates);
-- ``uses_rng``: whether it draws random numbers (dropout masks); such nodes must keep their
-  relative order, or the RNG stream hands them other masks;
+- ``uses_rng``: whether it draws random numbers (dropout masks): an aten op tagged
+  ``nondeterministic_seeded`` ran (also on fake tensors), or the CPU/CUDA generators moved; such
+  nodes must keep their relative order, or the RNG stream hands them other masks, and only the
+  recomputed segments holding one restore the RNG state;
 - its forward and backward cost: median wall time over repeats (``"measured"``, CUDA kernels
   waited for; the backward of a node is the time from its output's ``grad_fn`` starting to the
   next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
@@ -42,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -105,6 +108,30 @@ def _storage_key(t: torch.Tensor):
 
 def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+class _SeededOps(TorchDispatchMode):
+    """Notes whether an op that draws from a random number generator ran (aten's
+    ``nondeterministic_seeded`` tag: dropout, bernoulli, rand*, randperm, multinomial, rrelu):
+    on fake tensors too, and whatever module or function called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = True
+        return func(*args, **(kwargs or {}))
+
+
+def _rng_states():
+    """The CPU and (where initialised) CUDA generators' states, to see whether a call drew."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])
+
+
+def _same_states(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
 class _SavedRecorder:
@@ -208,20 +235,22 @@ class _ProfilingInterpreter(fx.Interpreter):
         # autograd nodes of the inputs before the call: a call that returns an input unchanged
         # (nn.Identity) adds none, and its gradient passes through as it is
         before = {t.grad_fn for t in _tensors(self._fetch_args(n)) if t.grad_fn is not None}
-        rng_before = None if self.fake else torch.get_rng_state()
+        rng_before = None if self.fake else _rng_states()
+        seeded = _SeededOps()
         recorder = _SavedRecorder()
         flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
         live_before = self.tracker.live_bytes
         self.tracker.peak_bytes = live_before
         self.buffer_writes.clear()
         # buffer_writes below the tracker: the copies it compares values with are not counted.
-        with self.buffer_writes, self.tracker, torch.autograd.graph.saved_tensors_hooks(
+        with self.buffer_writes, seeded, self.tracker, torch.autograd.graph.saved_tensors_hooks(
             recorder.pack, recorder.unpack
         ), (flop_counter or contextlib.nullcontext()):
             out = super().run_node(n)
         transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes)
         flops = flop_counter.get_total_flops() if flop_counter else 0
-        uses_rng = _draws_random(self.module, n) or (rng_before is not None and not torch.equal(rng_before, torch.get_rng_state()))
+        uses_rng = (_draws_random(self.module, n) or seeded.drew
+                    or (rng_before is not None and not _same_states(rng_before, _rng_states())))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before), mutated_buffers=mutated,

@@ -2,8 +2,9 @@
 
 Every recomputed segment V_i becomes a submodule ``seg_<i>`` (a GraphModule holding exactly
 V_i's nodes) called as ``recompute(self.seg_<i>, *inputs, restore=(...))`` in the top-level
-code, ``restore`` naming the buffers the segment mutates (put back after its recomputation); the last
-segment's nodes run inline, plainly. Inputs of a segment are the values it reads from earlier
+code, ``restore`` naming the buffers the segment mutates (put back after its recomputation), and
+``rng=False`` where no node of the segment draws random numbers (its recomputation need not
+restore the RNG state); the last segment's nodes run inline, plainly. Inputs of a segment are the values it reads from earlier
 segments or graph inputs; its outputs are the values later segments or the graph output read.
 The input GraphModule is not modified; submodules, parameters and buffers are shared with it.
 
@@ -57,7 +58,7 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs) -
 
 
 def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]],
-            inner=None) -> fx.GraphModule:
+            inner=None, *, random: set[str] | None = None) -> fx.GraphModule:
     """Return a new GraphModule running ``gm`` segment by segment (see the module docstring).
 
     ``segments`` are lists of call-node names in graph order, given in the order of the lower
@@ -77,7 +78,7 @@ def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str,
     for i, (names, rec, nested) in enumerate(zip(segments, recomputed, inner)):
         members = [by_name[name] for name in names]
         if rec:
-            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested)
+            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested, random)
             continue
         for node in members:
             env[node] = _copy_inline(top, node, env, gm, attrs)
@@ -104,14 +105,14 @@ def _resolve(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None) -> None:
+def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None, random=None) -> None:
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
     name = f"seg_{i}"
     seg = _segment_module(gm, members, inputs, outputs)
     if nested is not None:
         sub_segments, sub_recomputed, sub_inner = nested
-        flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner)
+        flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner, random=random)
         for buffer in mutated:  # restored around this segment's recomputation: reachable from it
             _attach(seg, flat, buffer.rpartition(".")[0])
     attrs[name] = seg
@@ -119,6 +120,8 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None)
     args = (fn, *[env[a] for a in inputs])
     call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
     kwargs = {"restore": _restore_names(gm, mutated)} if mutated else {}
+    if random is not None and not any(n.name in random for n in members):
+        kwargs["rng"] = False
     call = top.create_node("call_function", recompute, args, kwargs, name=call_name)
     if len(outputs) == 1:
         env[outputs[0]] = call
