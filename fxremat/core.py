@@ -119,6 +119,18 @@ class CostGraph:
             return (self.loss_output,)
         return tuple(v for v in range(self.n) if self.is_output[v] and self.grad_bytes[v])
 
+    def saves_tensors(self, v: int) -> bool:
+        """Whether v's forward may hand autograd a tensor to save. The profile records saved
+        values of other nodes, v's own output and extra buffers; a node reading no other node may
+        save only graph inputs or parameters, which it does not record, so it counts as saving."""
+        return bool(self.saved[v]) or self.extra_bytes[v] > 0 or not self.preds[v]
+
+    def recompute_cost(self, v: int) -> int:
+        """What v costs inside a recomputed segment, beyond the segment's fixed
+        ``checkpoint_time``: its forward (``time``), and the checkpoint's saved-tensor hooks
+        (``saving_node_time``) if it saves tensors."""
+        return self.time[v] + (self.saving_node_time if self.saves_tensors(v) else 0)
+
     def step_transient(self, v: int) -> int:
         """The larger of v's forward and backward transients, plus the gradients of shared
         parameters that may be held across v's backward (:meth:`held_grad_bytes`): what the
@@ -207,19 +219,18 @@ def anchors(preds, owns_storage) -> tuple[int, ...]:
 
 
 def merged_anchors(preds, anchor, together) -> tuple[int, ...]:
-    """``anchor`` with each node set of ``together`` tied into one group, with every node on a
-    path between two of its members (the convex hull, so the quotient DAG stays acyclic); the
-    group's head is its first node. For values written in place through a view, whose readers
-    and writers only keep their traced order when they run in one segment."""
+    """``anchor`` with each node set of ``together`` tied into one group, with every group on a
+    path between two of its members in the quotient DAG (its convex hull there, so the quotient
+    stays acyclic); the group's head is its first node. For values written in place through a
+    view, whose readers and writers only keep their traced order when they run in one segment."""
     head = list(anchor)
     succs = _successors(preds)
     for nodes in together:
         groups = {head[v] for v in nodes}
         while True:
-            members = [v for v in range(len(head)) if head[v] in groups]
-            below = _closure(members, succs)
-            hull = {v for v in _closure(members, preds) if v in below}
-            grown = groups | {head[v] for v in hull}
+            below = _group_closure(groups, head, succs)
+            above = _group_closure(groups, head, preds)
+            grown = groups | (below & above)
             if grown == groups:
                 break
             groups = grown
@@ -228,13 +239,18 @@ def merged_anchors(preds, anchor, together) -> tuple[int, ...]:
     return tuple(head)
 
 
-def _closure(start, edges) -> set[int]:
-    seen, stack = set(start), list(start)
+def _group_closure(groups, head, edges) -> set[int]:
+    """The groups reachable from ``groups`` along ``edges`` in the quotient DAG of ``head``."""
+    members: dict[int, list[int]] = {}
+    for v, h in enumerate(head):
+        members.setdefault(h, []).append(v)
+    seen, stack = set(groups), list(groups)
     while stack:
-        for w in edges[stack.pop()]:
-            if w not in seen:
-                seen.add(w)
-                stack.append(w)
+        for v in members[stack.pop()]:
+            for w in edges[v]:
+                if head[w] not in seen:
+                    seen.add(head[w])
+                    stack.append(head[w])
     return seen
 
 
