@@ -29,13 +29,13 @@ from .budget import parse_budget
 from .errors import PlanBudgetError
 from .core import CostGraph, Schedule
 from .passes.lower import build_graph
-from .passes.profile import COST_MODELS, GraphCosts, profile
+from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, step_times
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
 from .passes.trace import CALL_OPS, hooked_modules, module_of, trace, varargs_reason
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
-from .records import NodeInfo, Plan, Segment, read_plan, validate_plan
+from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
 from .runtime import attribute_bindings, rebind
 from .simulate import predicted_timeline, rerun_time, simulate
 
@@ -48,7 +48,9 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 log = logging.getLogger("fxremat")
 
 _OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None,
-            "rotor_slots": DEFAULT_ROTOR_SLOTS}
+            "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0}
+AUTOTUNE_CANDIDATES = 4  # autotune=True times this many candidate plans
+AUTOTUNE_STEPS = 5  # timed steps per candidate (after an untimed one), interleaved
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class _Config:
     profile_repeats: int
     plan: Plan | None
     rotor_slots: int
+    autotune: int = 0
     leaf_modules: tuple = ()
 
 
@@ -89,6 +92,12 @@ def _config(budget, strategy, cost_model, options, *, api: str = "compile", leaf
         validate_plan(merged["plan"], origin=f"the plan passed to fxremat.{api}")
     for name in ("max_plans", "rotor_slots", "profile_repeats"):
         _positive_int(api, name, merged[name])
+    tune = merged["autotune"]
+    if isinstance(tune, bool):
+        merged["autotune"] = AUTOTUNE_CANDIDATES if tune else 0
+    elif not isinstance(tune, int) or tune < 0 or tune == 1:
+        raise ValueError(f"fxremat.{api}: autotune takes True/False or the number of candidate plans to time "
+                         f"(an int >= 2; 0 is off), got {tune!r}")
     _positive_int(api, "exact_cap", merged["exact_cap"], allow_none=True)
     return _Config(parse_budget(budget), strategy, cost_model, **merged, leaf_modules=tuple(leaf_modules))
 
@@ -248,9 +257,28 @@ def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
                         rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes))
-    the_plan = _plan_from(graph, choice, costs.cost_model, nodes=node_infos(gm, costs),
-                          key=graph_key(gm, inputs))
-    return the_plan, costs
+    nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
+    if config.autotune and len(choice.alternatives) > 1:
+        return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key), costs
+    return _plan_from(graph, choice, costs.cost_model, nodes=nodes, key=key), costs
+
+
+def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choice, costs: GraphCosts,
+               count: int, nodes, key: str) -> Plan:
+    """The fastest measured of the ``count`` best candidates of ``choice`` (every strategy's
+    best plan within the budget, by predicted time): each is emitted and timed for real beside
+    the traced graph run plainly (:func:`fxremat.passes.profile.step_times`); the model's
+    buffers and RNG states are put back. The plan lists what was tried (``Plan.autotune``)."""
+    plans = []
+    for strategy, schedule, peak, rtime in choice.alternatives[:count]:
+        alt = replace(choice, strategy=strategy, schedule=schedule, peak_bytes=peak, recompute_time=rtime)
+        plans.append(_plan_from(graph, alt, costs.cost_model, nodes=nodes, key=key))
+    with _stage("autotuning", f"timing {len(plans)} candidate plans"), preserved_state(gm):
+        plain, *times = step_times([gm] + [_emit(gm, p) for p in plans], inputs, AUTOTUNE_STEPS)
+    fastest = min(range(len(plans)), key=lambda i: times[i])
+    trials = tuple(Trial(p.strategy, p.predicted_peak_bytes, p.predicted_overhead, t / plain - 1, i == fastest)
+                   for i, (p, t) in enumerate(zip(plans, times)))
+    return replace(plans[fastest], autotune=trials)
 
 
 def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
@@ -461,7 +489,9 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     ``profile_repeats`` (default 3), ``rotor_slots`` (rotor's memory discretisation, default 500
     slots up to the no-recomputation peak; more is finer and slower), ``plan`` (a :class:`Plan` from :func:`fxremat.load_plan`:
     used as is, without profiling or solving, after checking it was made for this graph and
-    input signature).
+    input signature), ``autotune`` (off by default; ``True`` or a count: time that many of the
+    best candidate plans — each strategy's fastest predicted within the budget — for a few real
+    steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")

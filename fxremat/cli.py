@@ -425,7 +425,8 @@ def cmd_bench(args) -> int:
         plain = copy.deepcopy(model)
         with _library_info(progress):
             compiled = fx_compile(model, args.budget, example_inputs=inputs, strategy=args.strategy,
-                                  cost_model=args.cost_model or "measured", exact_cap=args.exact_cap)
+                                  cost_model=args.cost_model or "measured", exact_cap=args.exact_cap,
+                                  autotune=args.autotune)
         for m in (plain, compiled):
             for p in m.parameters():
                 if p.requires_grad:
@@ -441,6 +442,11 @@ def cmd_bench(args) -> int:
           f"{1e3 * seconds:>9.1f}ms")
     print(f"\n  memory {100 * (peak / max(plain_peak, 1) - 1):+.1f}%, step time {100 * (seconds / plain_s - 1):+.1f}% "
           f"(predicted overhead {100 * the_plan.predicted_overhead:.1f}%), strategy {the_plan.strategy}")
+    if the_plan.autotune:
+        print("\n  autotune (candidates timed while planning; * kept):")
+        for t in the_plan.autotune:
+            print(f"  {'*' if t.chosen else ' '} {t.strategy:<10} predicted peak {format_bytes(t.predicted_peak_bytes):>10}, "
+                  f"overhead predicted {100 * t.predicted_overhead:+.1f}%, measured {100 * t.measured_overhead:+.1f}%")
     return 0
 
 
@@ -488,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = subs.add_parser("bench", help="train plain and compiled copies; measure peak and step time")
     _common(bench, budget=True, fake=False)
     bench.add_argument("--steps", type=positive_int, default=3, help="measured steps after one warm-up")
+    bench.add_argument("--autotune", type=int, default=4, metavar="N",
+                       help="time the N best candidate plans for real while planning and keep the fastest "
+                            "(default 4; 0 turns it off)")
     bench.set_defaults(func=cmd_bench, fake=False)
     return parser
 

@@ -52,6 +52,9 @@ class Choice:
     solve_seconds: float
     num_lower_sets: int
     notes: tuple[str, ...] = ()
+    # every strategy's best plan at no more memory: (strategy, schedule, peak, recompute time),
+    # by predicted time, the chosen one first; what autotune times for real
+    alternatives: tuple[tuple[str, Schedule, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,28 @@ def _better(a: _Candidate | None, b: _Candidate | None) -> _Candidate | None:
     if a is None or b is None:
         return a or b
     return min(a, b, key=lambda c: (c.recompute_time, c.peak_bytes))
+
+
+def _fewer_checkpoints(graph: CostGraph, cand: _Candidate, budget: int) -> _Candidate:
+    """``cand`` with adjacent recomputed segments merged into one checkpoint wherever that
+    lowers the recompute time (one fixed ``checkpoint_time`` less, the early stop aside) and the
+    simulated peak stays within ``budget``; nested schedules are left as they are."""
+    if graph.checkpoint_time <= 0 or any(x is not None for x in cand.schedule.inner or ()):
+        return cand
+    best, merging = cand, True
+    while merging:
+        merging = False
+        segs, rec = best.schedule.segments, best.schedule.recomputed
+        for i in range(len(segs) - 1):
+            if not (rec[i] and rec[i + 1]):
+                continue
+            merged = Schedule(segs[:i] + (tuple(sorted(segs[i] + segs[i + 1])),) + segs[i + 2:],
+                              rec[:i] + (True,) + rec[i + 2:])
+            trial = _candidate(graph, merged)
+            if trial.peak_bytes <= budget and trial.recompute_time < best.recompute_time:
+                best, merging = trial, True
+                break
+    return best
 
 
 class _Source:
@@ -298,18 +323,36 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731
     if target is None:
+        ties = {n: _fewer_checkpoints(graph, c, floor.peak_bytes) for n, c in least.items()
+                if c is not None and c.peak_bytes <= floor.peak_bytes}
+        floor_name = min(ties, key=lambda n: (ties[n].recompute_time, ties[n].peak_bytes))
+        floor = ties[floor_name]
         return Choice(schedule=floor.schedule, strategy=floor_name, objective="memory-centric",
                       budget_bytes=floor.peak_bytes, baseline_peak_bytes=baseline, peak_bytes=floor.peak_bytes,
-                      recompute_time=floor.recompute_time, solve_seconds=seconds(), num_lower_sets=sets, notes=notes)
+                      recompute_time=floor.recompute_time, solve_seconds=seconds(), num_lower_sets=sets, notes=notes,
+                      alternatives=_alternatives(ties))
     if target < floor.peak_bytes:
         raise InfeasibleBudgetError(target, floor.peak_bytes)
     picks = {name: src.fastest_within(target, least[name]) for name, src in sources.items()
              if least[name] is not None and least[name].peak_bytes <= target}
-    name = min((n for n in picks if picks[n]), key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes))
+    picks = {n: _fewer_checkpoints(graph, c, target) for n, c in picks.items() if c}
+    name = min(picks, key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes))
     best = picks[name]
     return Choice(schedule=best.schedule, strategy=name, objective="time-centric", budget_bytes=target,
                   baseline_peak_bytes=baseline, peak_bytes=best.peak_bytes, recompute_time=best.recompute_time,
-                  solve_seconds=seconds(), num_lower_sets=sets, notes=notes)
+                  solve_seconds=seconds(), num_lower_sets=sets, notes=notes, alternatives=_alternatives(picks))
+
+
+def _alternatives(picks: dict[str, _Candidate]) -> tuple[tuple[str, Schedule, int, int], ...]:
+    """Distinct schedules of ``picks`` by (recompute time, peak): the first is the choice."""
+    seen, found = set(), []
+    for name in sorted(picks, key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes)):
+        c = picks[name]
+        key = (c.schedule.segments, c.schedule.recomputed, c.schedule.inner)
+        if key not in seen:
+            seen.add(key)
+            found.append((name, c.schedule, c.peak_bytes, c.recompute_time))
+    return tuple(found)
 
 
 # --------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .core import Timeline
 from .errors import format_bytes
 
-__all__ = ["Plan", "Segment", "NodeInfo", "explain", "save_plan", "read_plan", "validate_plan",
+__all__ = ["Plan", "Segment", "NodeInfo", "Trial", "explain", "save_plan", "read_plan", "validate_plan",
            "PLAN_FORMAT", "PLAN_STRATEGIES", "PLAN_COST_MODELS"]
 
 PLAN_FORMAT = "fxremat-plan/1"
@@ -75,6 +75,18 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class Trial:
+    """One candidate plan that ``autotune`` timed for real: its strategy, predicted peak and
+    overhead, and the overhead measured over a plain step (median of interleaved steps)."""
+
+    strategy: str
+    predicted_peak_bytes: int
+    predicted_overhead: float
+    measured_overhead: float
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
 class Plan:
     """A recomputation plan for one model and input signature.
 
@@ -87,6 +99,8 @@ class Plan:
     (:class:`NodeInfo`), ``timeline_bytes``/``backward_start`` the predicted memory timeline,
     ``graph_key`` the hash of the traced graph and input signature the plan was made for
     (:func:`fxremat.identity.graph_key`); these are empty on plans built without them.
+    ``autotune``: the candidates timed when planning with ``autotune=`` (:class:`Trial`, the
+    chosen one marked), empty otherwise.
     """
 
     strategy: str
@@ -105,6 +119,7 @@ class Plan:
     backward_start: int = 0
     graph_key: str = ""
     notes: tuple[str, ...] = ()
+    autotune: tuple[Trial, ...] = ()
 
     @property
     def recomputed_nodes(self) -> tuple[str, ...]:
@@ -122,6 +137,9 @@ class Plan:
             f"  solve time        {self.solve_seconds:>11.3f}s  ({self.num_nodes} nodes, "
             f"{self.num_lower_sets} lower sets)",
             *[f"  note: {note}" for note in self.notes],
+            *([f"  autotune: {len(self.autotune)} candidates timed (overhead predicted -> measured):"] if self.autotune else []),
+            *[f"    {'*' if t.chosen else ' '} {t.strategy:<10} {format_bytes(t.predicted_peak_bytes):>10}  "
+              f"{100 * t.predicted_overhead:+6.1f}% -> {100 * t.measured_overhead:+6.1f}%" for t in self.autotune],
             "",
             f"  {'seg':>4} {'nodes':>6}  {'mode':<10} {'kept':>10}  first .. last  | kept values",
         ]
@@ -275,6 +293,10 @@ def _nonneg_number(v) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
 
 
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
 def _is_bool(v) -> bool:
     return isinstance(v, bool)
 
@@ -297,12 +319,15 @@ def _one_of(values):
     return check
 
 
-_EXPECTED = {_nonneg_int: "an int >= 0", _nonneg_number: "a finite number >= 0", _is_bool: "true or false",
+_EXPECTED = {_nonneg_int: "an int >= 0", _nonneg_number: "a finite number >= 0", _is_number: "a finite number",
+             _is_bool: "true or false",
              _is_str: "a string", _str_list: "a list of strings", _int_list: "a list of ints >= 0"}
 _SEGMENT_FIELDS = {"nodes": _str_list, "recomputed": _is_bool, "kept": _str_list, "kept_bytes": _nonneg_int,
                    "recompute_cost": _nonneg_number}
 _NODE_FIELDS = {"name": _is_str, "out_bytes": _nonneg_int, "root": _is_str, "module": _is_str, "source": _is_str,
                 "code": _is_str, "mutated_buffers": _str_list, "draws_random": _is_bool}
+_TRIAL_FIELDS = {"strategy": _one_of(set(PLAN_STRATEGIES)), "predicted_peak_bytes": _nonneg_int,
+                 "predicted_overhead": _nonneg_number, "measured_overhead": _is_number, "chosen": _is_bool}
 _PLAN_FIELDS = {
     "strategy": _one_of(set(PLAN_STRATEGIES)), "objective": _one_of({"time-centric", "memory-centric"}),
     "budget_bytes": _nonneg_int, "baseline_peak_bytes": _nonneg_int, "predicted_peak_bytes": _nonneg_int,
@@ -352,6 +377,11 @@ def _check_plan_dict(data) -> None:
         raise _Invalid("plan.nodes", f"must be a list, got {type(nodes).__name__}")
     for i, node in enumerate(nodes):
         _check_record(node, NodeInfo, _NODE_FIELDS, f"plan.nodes[{i}]")
+    trials = data.get("autotune", ())
+    if not isinstance(trials, (list, tuple)):
+        raise _Invalid("plan.autotune", f"must be a list, got {type(trials).__name__}")
+    for i, trial in enumerate(trials):
+        _check_record(trial, Trial, _TRIAL_FIELDS, f"plan.autotune[{i}]")
 
 
 def validate_plan(plan: Plan, *, origin: str = "the plan") -> None:
@@ -398,7 +428,8 @@ def read_plan(path) -> Plan:
     fields = dict(data["plan"])
     fields["segments"] = tuple(_build_segment(s) for s in fields["segments"])
     fields["nodes"] = tuple(NodeInfo(**{k: _tuples(v) for k, v in n.items()}) for n in fields.get("nodes", ()))
-    plan = Plan(**{k: _tuples(v) if k not in ("segments", "nodes") else v for k, v in fields.items()})
+    fields["autotune"] = tuple(Trial(**t) for t in fields.get("autotune", ()))
+    plan = Plan(**{k: _tuples(v) if k not in ("segments", "nodes", "autotune") else v for k, v in fields.items()})
     return plan
 
 

@@ -213,13 +213,6 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
         grads.shared.after(v)
 
 
-def _packs(graph: CostGraph, v: int) -> bool:
-    """Whether v's forward may hand autograd a tensor to save. The profile records saved values
-    of other nodes, v's own output and extra buffers; a node reading no other node may save only
-    graph inputs or parameters, which it does not record, so such a node counts as saving."""
-    return bool(graph.saved[v]) or graph.extra_bytes[v] > 0 or not graph.preds[v]
-
-
 _RETURNED = -1  # a consumer standing for the return of a recomputed segment's outputs
 
 
@@ -236,7 +229,7 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
             found = (pos, False)
         else:
             for k, v in enumerate(sub):
-                if _packs(graph, v):
+                if graph.saves_tensors(v):
                     found = (pos + k, v in graph.saved[v] or graph.extra_bytes[v] > 0)
         pos += len(sub)
     return found
@@ -246,7 +239,7 @@ def mechanism_time(graph: CostGraph, seg, inner: Schedule | None = None) -> int:
     """The checkpoint mechanism's time for a checkpoint over ``seg`` (``graph.checkpoint_time``
     plus ``graph.saving_node_time`` per node whose forward saves tensors), nested checkpoints
     (``inner``) included."""
-    total = graph.checkpoint_time + graph.saving_node_time * sum(_packs(graph, v) for v in seg)
+    total = graph.checkpoint_time + graph.saving_node_time * sum(graph.saves_tensors(v) for v in seg)
     for i, (sub, rec) in enumerate(zip(inner.segments, inner.recomputed) if inner else ()):
         if rec:
             total += mechanism_time(graph, sub, inner.inner_of(i))
@@ -346,7 +339,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                     maybe_free(r)
             continue
         for v in reversed(sub):
-            if _packs(graph, v):
+            if graph.saves_tensors(v):
                 recompute()
             _grad_step(graph, v, mem, grads)
             for o in graph.saved[v]:

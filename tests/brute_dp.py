@@ -97,7 +97,7 @@ def chain_cost(graph: CostGraph, chain) -> ChainCost:
         if i == len(chain) - 1:
             step += graph.loss_bytes
         else:
-            overhead += sum(graph.time[v] for v in seg)
+            overhead += sum(graph.recompute_cost(v) for v in seg)
         steps.append(step)
         previous = mask
     return ChainCost(overhead, max(steps, default=0), tuple(steps))

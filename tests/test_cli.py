@@ -229,6 +229,17 @@ def test_bench_measures_plain_and_compiled(in_tests, capsys):
     assert "measured peak" in out and "plain" in out and "compiled" in out and "step time" in out
 
 
+def test_bench_autotunes_by_default(in_tests, capsys):
+    argv = ["bench", "cli_models:small_unet", "--input", "2x3x32x32", "--budget", "0.7", "--cost-model", "flops",
+            "--steps", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    listed = [line for line in out.splitlines() if "overhead predicted" in line]
+    assert "autotune" in out and len(listed) >= 2 and sum(line.lstrip().startswith("*") for line in listed) == 1
+    assert cli.main(argv + ["--autotune", "0"]) == 0
+    assert "autotune" not in capsys.readouterr().out
+
+
 def test_output_folders_are_checked_before_any_work(in_tests, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_build", lambda args: pytest.fail("built the model before checking --code"))
     assert cli.main(["plan", *MODEL, "--budget", "0.5", "--code", "missing_dir/code.py"]) == 2

@@ -64,7 +64,7 @@ def cost_graphs(draw, max_nodes=6, max_bytes=9, min_nodes=0, reach=None):
         out_bytes=tuple(ints(max_bytes)), root=tuple(roots), saved=tuple(tuple(sorted(s)) for s in saved),
         extra_bytes=tuple(ints(3)), grad_bytes=tuple(ints(max_bytes)), grad_alias=(False,) * n,
         transient_bytes=transient, bwd_transient_bytes=transient, param_grad_bytes=(0,) * n, shared_params=(),
-        loss_bytes=draw(st.integers(0, max_bytes)), loss_output=None, checkpoint_time=0, saving_node_time=0, time_unit=1.0, step_cost=1.0,
+        loss_bytes=draw(st.integers(0, max_bytes)), loss_output=None, checkpoint_time=0, saving_node_time=draw(st.integers(0, 3)), time_unit=1.0, step_cost=1.0,
         cost_unit="units",
     )
 

@@ -12,7 +12,7 @@ from fxremat.core import Schedule, load_graph
 from fxremat.passes.profile import checkpoint_costs
 from fxremat.planner import choose, recompute_time
 from fxremat.budget import parse_budget
-from fxremat.simulate import _packs, rerun_time
+from fxremat.simulate import rerun_time
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fixtures")
 
@@ -25,7 +25,7 @@ def test_mechanism_time_counts_segments_and_saving_nodes():
     rerun = sum(rerun_time(graph, seg) for seg in recomputed)
     assert recompute_time(graph, sched) == rerun  # the fixture was profiled without a clock
     costly = dataclasses.replace(graph, checkpoint_time=1000, saving_node_time=7)
-    saving = sum(_packs(graph, v) for seg in recomputed for v in seg)
+    saving = sum(graph.saves_tensors(v) for seg in recomputed for v in seg)
     assert saving > 0
     assert recompute_time(costly, sched) == rerun + 1000 * len(recomputed) + 7 * saving
 
@@ -46,3 +46,100 @@ def test_checkpoint_costs_are_measured_and_not_negative():
     per_checkpoint, per_node = checkpoint_costs(torch.device("cpu"), repeats=5)
     assert per_checkpoint >= 0 and per_node >= 0
     assert per_checkpoint + per_node > 0  # a checkpoint costs something on any clock
+
+
+def test_planner_pays_for_checkpoints_where_memory_allows():
+    """With a costly checkpoint mechanism the DP counts the per-node hooks and the planner merges
+    adjacent checkpoints: within the same budget, no more checkpoints and no slower (by the
+    model) than the plan chosen as if the mechanism were free."""
+    graph = load_graph(os.path.join(FIXTURES, "unet.json"))
+    total = sum(graph.time)
+    costly = dataclasses.replace(graph, checkpoint_time=total // 10, saving_node_time=total // 200)
+    for budget in (parse_budget(0.6), parse_budget(0.4), parse_budget("min")):
+        free = choose(graph, budget, strategy="exact")
+        paid = choose(costly, budget, strategy="exact")
+        limit = free.budget_bytes if budget.fraction is not None else free.peak_bytes
+        assert paid.peak_bytes <= max(limit, paid.budget_bytes)
+        assert sum(paid.schedule.recomputed) <= sum(free.schedule.recomputed)
+        assert recompute_time(costly, paid.schedule) <= recompute_time(costly, free.schedule)
+    paid = choose(costly, parse_budget(0.6), strategy="exact")
+    free = choose(graph, parse_budget(0.6), strategy="exact")
+    assert sum(paid.schedule.recomputed) < sum(free.schedule.recomputed) or \
+        recompute_time(costly, paid.schedule) < recompute_time(costly, free.schedule)
+
+
+def _unet_case():
+    import fxremat  # noqa: F401
+    from _models import small_unet
+
+    torch.manual_seed(0)
+    return small_unet(), torch.randn(2, 3, 32, 32)
+
+
+def test_autotune_keeps_the_fastest_measured_candidate(monkeypatch):
+    """autotune times the best candidate of each strategy (by predicted time) beside the plain
+    graph and keeps the fastest measured one, whatever the prediction said; Plan.autotune lists
+    them and round-trips through save/load."""
+    import fxremat
+    from fxremat import api
+
+    timed = []
+
+    def fake_step_times(modules, inputs, repeats):
+        timed.append(len(modules))
+        return [10.0] + [20.0 - i for i in range(len(modules) - 1)]  # the last candidate is fastest
+
+    monkeypatch.setattr(api, "step_times", fake_step_times)
+    model, x = _unet_case()
+    untuned = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="flops")
+    plan = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="flops", autotune=3)
+    assert timed and 3 <= timed[0] <= 4  # the plain graph and two or three candidates
+    trials = plan.autotune
+    assert len(trials) == timed[0] - 1 and [t.chosen for t in trials].count(True) == 1
+    assert trials[0].strategy == untuned.strategy and trials[-1].chosen  # fastest measured, not predicted
+    assert [t.predicted_overhead for t in trials] == sorted(t.predicted_overhead for t in trials)
+    assert plan.strategy == trials[-1].strategy and plan.predicted_peak_bytes == trials[-1].predicted_peak_bytes
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert abs(trials[-1].measured_overhead - ((20.0 - (len(trials) - 1)) / 10.0 - 1)) < 1e-12
+    assert "autotune: " in plan.summary()
+
+
+def test_autotune_round_trip_and_arguments(monkeypatch, tmp_path):
+    import fxremat
+    from fxremat import api
+
+    monkeypatch.setattr(api, "step_times", lambda modules, inputs, repeats: [1.0] * len(modules))
+    model, x = _unet_case()
+    plan = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="flops", autotune=True)
+    plan.save(tmp_path / "p.json")
+    assert fxremat.load_plan(tmp_path / "p.json").autotune == plan.autotune
+    for bad in (1, -2, "yes", 2.5):
+        try:
+            fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="flops", autotune=bad)
+        except ValueError as exc:
+            assert "autotune" in str(exc) and repr(bad) in str(exc)
+        else:
+            raise AssertionError(f"autotune={bad!r} was accepted")
+
+
+def test_autotuned_model_trains_exactly_and_tuning_changes_no_state():
+    """Timing candidates for real runs steps: the model's buffers (BatchNorm statistics) and the
+    RNG stream are put back, no .grad is written, and the chosen plan trains like plain."""
+    import copy
+
+    import fxremat
+    from _models import assert_same_state
+
+    model, x = _unet_case()
+    plain = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    compiled = fxremat.compile(model, 0.7, example_inputs=(x,), cost_model="flops", autotune=2)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert len(compiled.plan.autotune) == 2
+    for m in (plain, compiled):
+        torch.manual_seed(3)
+        m(x).square().mean().backward()
+    assert_same_state(plain, compiled)

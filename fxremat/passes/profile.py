@@ -535,6 +535,24 @@ def _time_step(gm: fx.GraphModule, inputs, repeats: int) -> float:
     return statistics.median(samples[1:])
 
 
+def step_times(modules, inputs, repeats: int) -> list[float]:
+    """Median milliseconds of one forward + backward (gradients not accumulated) of each of
+    ``modules`` on the same ``inputs``, timed side by side: a step of each in turn, ``repeats``
+    rounds after an untimed one (a shared, noisy machine drifts between rounds, not within)."""
+    params = [[p for p in m.parameters() if p.requires_grad] for m in modules]
+    samples: list[list[float]] = [[] for _ in modules]
+    for r in range(repeats + 1):
+        for i, m in enumerate(modules):
+            start = _now()
+            loss = _scalar_loss(m(*inputs))
+            if loss is not None and params[i]:
+                torch.autograd.grad(loss, params[i], allow_unused=True)
+            del loss
+            if r:
+                samples[i].append((_now() - start) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
     """Restore the module's buffers and the CPU/CUDA RNG state on exit."""

@@ -7,8 +7,10 @@ Symbols (defined once here):
   V_i from what is kept before back-propagating through it. Here every V_i except the last is a
   non-reentrant checkpoint, and V_k runs plainly (it is back-propagated right after its forward,
   so recomputing it would only cost time).
-- T(V_i): forward cost of V_i (``graph.time``); the overhead of a strategy is Σ_{i<k} T(V_i),
-  since torch recomputes the whole segment.
+- T(V_i): cost of recomputing V_i, Σ ``graph.recompute_cost(v)`` (each node's forward, plus the
+  checkpoint's saved-tensor hooks for nodes that save tensors); the overhead of a strategy is
+  Σ_{i<k} T(V_i), since torch recomputes the whole segment. The fixed cost per checkpoint
+  (``graph.checkpoint_time``) is left to the planner, which merges segments where that pays.
 - m: bytes kept by the strategy so far (the paper's M(U_{i-1})).
 - memory of step i (the paper's Eq. 2, re-derived for PyTorch as Hong et al. advise):
   m + K_i + S(V_i) + E(V_i) + G(V_i) + G(∂(L_{i-1})) + W(V_i), where K_i are the bytes of
@@ -100,7 +102,7 @@ def build_tables(graph: CostGraph, family) -> Tables:
     kernel = _kernels.pick(set_tables, "set_tables")
     keep, tops, grad_boundary, prefix_time, prefix_saved = kernel(
         set_words, pack(succ, words(n)), array("B", graph.is_output), array("q", graph.root),
-        array("q", graph.grad_bytes), array("q", additive), array("q", graph.time))
+        array("q", graph.grad_bytes), array("q", additive), array("q", [graph.recompute_cost(v) for v in range(n)]))
     tables = Tables(family, n, set_words.tobytes(), keep.tobytes(), tops.tobytes(),
                     grad_boundary.tobytes(), prefix_time.tobytes(), prefix_saved.tobytes())
     coarse = _coarse_indices(graph, family)
