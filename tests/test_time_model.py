@@ -143,3 +143,26 @@ def test_autotuned_model_trains_exactly_and_tuning_changes_no_state():
         torch.manual_seed(3)
         m(x).square().mean().backward()
     assert_same_state(plain, compiled)
+
+
+def test_equal_work_gets_an_equal_measured_cost():
+    """Measured costs pool the samples of nodes that run the same op on inputs of the same
+    shapes (a chain of identical blocks): they get one cost, so noise cannot pick among them;
+    layers of other shapes keep their own."""
+    import torch.nn as nn
+
+    from fxremat.passes.profile import _ForwardClock, profile
+    from fxremat.passes.trace import trace
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(6)]
+    model = nn.Sequential(*blocks, nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+    gm, x = trace(model), torch.randn(16, 64)
+    costs = {c.name: c.fwd_cost for c in profile(gm, (x,), cost_model="measured").nodes}
+    # the first Linear reads the graph input (no gradient wanted): a computation of its own
+    assert len({costs[f"_{i}_0"] for i in range(1, 6)}) == 1 and len({costs[f"_{i}_1"] for i in range(6)}) == 1
+    clock = _ForwardClock(gm)
+    clock.run(x)
+    kinds = clock.kind
+    assert len({kinds[f"_{i}_0"] for i in range(1, 6)}) == 1
+    assert len({kinds["_0_0"], kinds["_1_0"], kinds["_6"], kinds["_8"], kinds["_1_1"]}) == 5  # other inputs, shapes, ops

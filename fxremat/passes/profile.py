@@ -433,38 +433,94 @@ def _scalar_loss(out) -> torch.Tensor | None:
 class _ForwardClock(fx.Interpreter):
     """Runs the graph's forward as training runs it, timing each call node where it runs: after
     its producers, with what they left in the caches and the allocator (a node timed again and
-    again on its own inputs runs on hot caches and measured up to 1.4x faster on CPU)."""
+    again on its own inputs runs on hot caches and measured up to 1.4x faster on CPU). ``kind``
+    names each node's computation (:func:`_computation`)."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.ms: dict[str, float] = {}
+        self.kind: dict[str, object] = {}
 
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
             return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        self.kind[n.name] = _computation(self.module, n, args, kwargs)
         start = _now()
         out = super().run_node(n)
         self.ms[n.name] = (_now() - start) * 1e3
         return out
 
 
+def _value_key(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type, value.requires_grad)
+    if isinstance(value, (list, tuple)):
+        return tuple(_value_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _value_key(v)) for k, v in value.items()))
+    return value
+
+
+def _computation(root: torch.nn.Module, n: fx.Node, args, kwargs):
+    """What node ``n`` computes, as a hashable key: nodes with the same key run the same op on
+    inputs of the same shapes (a chain of identical blocks) and cost the same. A module counts
+    by its torch.nn class, settings and parameter shapes; a module of any other class, or a
+    value with no hash, keys by the node itself."""
+    if n.op == "call_module":
+        mod = root.get_submodule(n.target)
+        if not type(mod).__module__.startswith("torch.nn.modules"):
+            return n.name
+        what = (type(mod), mod.extra_repr(), mod.training,
+                tuple((k, tuple(p.shape), p.dtype) for k, p in mod.named_parameters()))
+    else:
+        what = (n.op, n.target)
+    key = (what, _value_key(args), _value_key(kwargs))
+    try:
+        hash(key)
+    except TypeError:
+        return n.name
+    return key
+
+
 def _time_forward(gm: fx.GraphModule, inputs, repeats: int) -> dict[str, float]:
     """Median forward milliseconds per call node over ``repeats`` whole forwards (after one
-    untimed warm-up forward, which pays one-off costs)."""
+    untimed warm-up forward, which pays one-off costs). Nodes that compute the same thing
+    (:func:`_computation`: the sixteen identical blocks of a chain) share one median over all
+    their samples: equal work gets an equal cost, so the plan does not follow the noise among
+    them, and each median rests on more samples."""
     samples: dict[str, list[float]] = {}
+    kind: dict[str, object] = {}
     for i in range(repeats + 1):
         clock = _ForwardClock(gm)
         clock.run(*inputs)
+        kind = clock.kind
         if i:
             for name, ms in clock.ms.items():
                 samples.setdefault(name, []).append(ms)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    pooled: dict[object, list[float]] = {}
+    for name, values in samples.items():
+        pooled.setdefault(kind[name], []).extend(values)
+    return {name: statistics.median(pooled[kind[name]]) for name in samples}
 
 
 def _chain(x: torch.Tensor, k: int) -> torch.Tensor:
     for _ in range(k):
         x = torch.tanh(x)  # saves its output
     return x
+
+
+_MACHINE_COSTS: dict[str, tuple[float, float]] = {}
+
+
+def machine_checkpoint_costs(device: torch.device) -> tuple[float, float]:
+    """:func:`checkpoint_costs` on ``device``, measured once per process (31 repeats): it is a
+    property of the machine, not of a model, and every plan made in one process then counts
+    the mechanism alike."""
+    key = str(device)
+    if key not in _MACHINE_COSTS:
+        _MACHINE_COSTS[key] = checkpoint_costs(device, repeats=31)
+    return _MACHINE_COSTS[key]
 
 
 def checkpoint_costs(device: torch.device, repeats: int = 15) -> tuple[float, float]:
@@ -627,7 +683,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             fwd = _time_forward(gm, example_inputs, repeats)
             costs = tuple(replace(c, fwd_cost=fwd[c.name], bwd_cost=bwd.get(c.name, 0.0)) for c in costs)
             devices = {t.device for t in _tensors(example_inputs)} or {torch.device("cpu")}
-            mechanism = checkpoint_costs(next(iter(devices)))
+            mechanism = machine_checkpoint_costs(next(iter(devices)))
         else:
             costs = tuple(replace(c, bwd_cost=2.0 * c.fwd_cost) for c in costs)
             mechanism = (0.0, 0.0)  # no clock: the mechanism is not modelled
