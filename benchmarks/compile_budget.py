@@ -264,7 +264,22 @@ def _ratio(times, plain_times) -> float:
     return statistics.median(times) / statistics.median(plain_times)
 
 
-def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7):
+def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step) -> tuple[nn.Module, float]:
+    """``fxremat.compile(model, budget, backend="inductor")``, planned with the compiled cost model
+    and compiled by Inductor on its first step (caches off)."""
+    import fxremat
+
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        compiled = fxremat.compile(model, budget, example_inputs=(x,), backend="inductor")
+        step(compiled, x)
+    return compiled, time.perf_counter() - start
+
+
+def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
+              inductor_budgets=()):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s)``.
 
     Plain eager, fxremat and the replays are timed in one interleaved loop. Inductor is compiled
@@ -293,6 +308,12 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         pair = _measure([plain, (label, model, seconds)], x, step, with_grads, repeats)
         rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
         torch._dynamo.reset()
+    for budget in inductor_budgets:
+        model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step)
+        label = f"torch.compile(fxremat {budget}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} MiB)"
+        pair = _measure([plain, (label, model, seconds)], x, step, with_grads, repeats)
+        rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
+        torch._dynamo.reset()
     return rows
 
 
@@ -308,19 +329,29 @@ def calibration_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _transformer(size="small"):
+    from .nets import transformer_stack
+
+    return transformer_stack(depth=4, dim=64, heads=4)
+
+
 def main(argv=None) -> int:
     nets = {name: (build, shape) for name, build, shape, _ in cpu_nets(full=False)}
+    nets["transformer"] = (_transformer, (4, 128, 64))
     parser = argparse.ArgumentParser(description="Calibrate the torch.compile replay against Inductor.")
     parser.add_argument("--net", choices=sorted(nets), default="unet", help="a net of the CPU trade-off table")
     parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.5, 0.3])
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--fxremat-inductor", nargs="*", default=["0.7", "0.5", "0.3", "min"], metavar="BUDGET",
+                        help="budgets of torch.compile(fxremat.compile(..., backend='inductor')) rows")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
     build, shape = nets[args.net]
     torch.manual_seed(0)
     x = torch.randn(*shape)
+    budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
-                     repeats=args.repeats)
+                     repeats=args.repeats, inductor_budgets=budgets)
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, CPU)\n\n"
             f"Command: `python -m benchmarks.compile_budget {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

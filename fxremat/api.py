@@ -473,8 +473,11 @@ def _example_call(example_inputs) -> tuple[tuple, dict]:
     return _as_tuple(example_inputs), {}
 
 
+BACKENDS_HINT = "'eager' (the default), 'inductor', or another torch.compile backend name"
+
+
 def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: str = "auto",
-            cost_model: str = "measured", leaf_modules=(), **options) -> "RematModule":
+            cost_model: str | None = None, leaf_modules=(), backend="eager", **options) -> "RematModule":
     """Return a :class:`RematModule` that trains ``model`` with its activation peak within ``budget``.
 
     ``budget``: int bytes, a string with a unit (``"800MiB"``), a fraction in (0, 1] of the
@@ -482,8 +485,14 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     for now; with ``None`` planning happens on the first training-mode forward. ``strategy``:
     ``"auto"`` (exact DP while the lower sets are at most ``exact_cap``, else approximate),
     ``"exact"``, ``"approx"``, ``"rotor"``, ``"chen"``, ``"hong"``, ``"sequential"`` or
-    ``"none"``. ``cost_model``: ``"measured"``, ``"flops"`` or ``"uniform"``.
+    ``"none"``. ``cost_model``: ``"measured"`` (the default in eager), ``"flops"``,
+    ``"compiled"`` (the default with a compiler backend) or ``"uniform"``.
     ``leaf_modules``: classes or qualified names of submodules to keep as single nodes.
+    ``backend``: ``"eager"`` runs the emitted code as it is; ``"inductor"`` (or any
+    ``torch.compile`` backend name or function) compiles the returned module in place
+    (``nn.Module.compile``: same object, same ``state_dict`` keys), so AOTAutograd recomputes each
+    planned segment in the compiled backward, and plans with ``cost_model="compiled"`` unless
+    another is given. Numerics are then Inductor's (fused kernels round differently from eager).
     Options: ``exact_cap`` (default 20,000 lower sets with the compiled kernels, 2,000 with the
     pure-Python reference), ``max_plans`` (input signatures cached, default 8),
     ``profile_repeats`` (default 3), ``rotor_slots`` (rotor's memory discretisation, default 500
@@ -496,6 +505,14 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
     _check_unwrapped(model, "compile")
+    if not callable(backend) and (not isinstance(backend, str) or not backend):
+        raise TypeError(f"fxremat.compile: backend takes a name, {BACKENDS_HINT}, or a torch.compile backend "
+                        f"function; got {backend!r}")
+    if isinstance(backend, str) and backend != "eager" and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"fxremat.compile: backend {backend!r} is not a torch.compile backend; use {BACKENDS_HINT} "
+                         f"(torch._dynamo.list_backends() lists them)")
+    if cost_model is None:
+        cost_model = "measured" if backend == "eager" else "compiled"
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = _config(budget, strategy, cost_model, options, leaf_modules=leaf_modules)
     with _training_mode(model):
@@ -507,6 +524,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
             remat._prepare_call(args, kwargs)
         else:
             remat._prepare(remat._bind(args, kwargs))
+    if backend != "eager":
+        remat.compile(backend=backend)
     return remat
 
 

@@ -30,7 +30,7 @@ PLAN_FORMAT = "fxremat-plan/1"
 # The values a saved plan may hold; fxremat.planner.STRATEGIES and fxremat.passes.profile.COST_MODELS
 # are built from them.
 PLAN_STRATEGIES = ("exact", "approx", "rotor", "chen", "hong", "sequential", "none")
-PLAN_COST_MODELS = ("measured", "flops", "uniform")
+PLAN_COST_MODELS = ("measured", "flops", "compiled", "uniform")
 
 
 @dataclass(frozen=True)

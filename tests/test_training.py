@@ -829,3 +829,45 @@ def test_planning_keeps_no_profiling_tensors_alive():
     del compiled, model
     gc.collect()
     assert first_parameter() is None, "the model outlives its compiled module"
+
+
+def test_backend_compiles_in_place_with_the_compiled_cost_model():
+    """backend= compiles the returned module in place (same object, same state_dict keys): the
+    plan is made with cost_model="compiled" and the compiled step keeps fxremat's segments."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain, model = pair(small_unet())
+    x = torch.randn(*SHAPE)
+    saved = []
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), backend=_recording_aot_eager(saved))
+    assert isinstance(compiled, fxremat.RematModule) and compiled.plan.cost_model == "compiled"
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+    for m in (plain, compiled):
+        torch.manual_seed(1)
+        loss_of(m(x)).backward()
+    _assert_close_state(plain, compiled, rtol=1e-5, atol=1e-6)
+    assert len(saved) == 1 and saved[0] < 0.6 * _eager_saved_bytes(copy.deepcopy(plain), x)
+    torch._dynamo.reset()
+
+
+def test_backend_is_checked_at_the_call():
+    with pytest.raises(ValueError, match="backend 'nope' is not a torch.compile backend.*list_backends"):
+        fxremat.compile(small_unet(), 0.5, backend="nope")
+    with pytest.raises(TypeError, match="backend takes a name"):
+        fxremat.compile(small_unet(), 0.5, backend=3)
+
+
+def test_compiled_cost_model_charges_fused_ops_a_fraction_of_their_traffic():
+    from fxremat.passes.profile import FUSED_TRAFFIC, profile
+    from fxremat.passes.trace import trace
+
+    gm, x = trace(small_unet()), torch.randn(*SHAPE)
+    flops = {c.name: c for c in profile(gm, (x,), cost_model="flops").nodes}
+    fused = {c.name: c for c in profile(gm, (x,), cost_model="compiled").nodes}
+    convs = [n for n, c in flops.items() if c.flops > 0]
+    pointwise = [n for n, c in flops.items() if c.flops == 0 and c.fwd_cost > 0]
+    assert convs and pointwise
+    for n in pointwise:
+        assert fused[n].fwd_cost == pytest.approx(FUSED_TRAFFIC * flops[n].fwd_cost)
+    for n in convs:
+        assert flops[n].flops <= fused[n].fwd_cost < flops[n].fwd_cost

@@ -22,7 +22,10 @@
 - its forward and backward cost: median wall time over repeats (``"measured"``, CUDA kernels
   waited for; the backward of a node is the time from its output's ``grad_fn`` starting to the
   next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
-  ``FakeTensorMode``; backward twice the forward) or 1 and 2 (``"uniform"``).
+  ``FakeTensorMode``; backward twice the forward), FLOPs plus an eighth of that term
+  (``"compiled"``: the step runs under Inductor, which fuses pointwise ops into the kernels
+  around them, so recomputing them costs little while a matmul or convolution costs its FLOPs)
+  or 1 and 2 (``"uniform"``).
 Parameters, buffers and graph inputs are outside the budget and are never attributed to nodes.
 Buffers and the RNG state are restored afterwards, so profiling leaves the model untouched.
 User hooks (module and global forward/backward hooks not defined inside torch) do not run while
@@ -61,6 +64,10 @@ COST_MODELS = PLAN_COST_MODELS
 # FLOP-equivalents charged per byte read or written, so memory-bound ops (BN, ReLU, pooling)
 # are not free under cost_model="flops" (roughly an accelerator's flop/byte balance).
 FLOPS_PER_BYTE = 4
+# cost_model="compiled" (a step compiled by Inductor): a recomputed pointwise or reduction op is
+# fused into a kernel that reads its inputs anyway, so it is charged this fraction of its traffic;
+# matrix products and convolutions keep their FLOPs.
+FUSED_TRAFFIC = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -238,7 +245,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         rng_before = None if self.fake else _rng_states()
         seeded = _SeededOps()
         recorder = _SavedRecorder()
-        flop_counter = FlopCounterMode(display=False) if self.cost_model == "flops" else None
+        flop_counter = FlopCounterMode(display=False) if self.cost_model in ("flops", "compiled") else None
         live_before = self.tracker.live_bytes
         self.tracker.peak_bytes = live_before
         self.buffer_writes.clear()
@@ -344,7 +351,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             grad_bytes=sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad),
             param_grad_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             params=tuple(sorted(params)),
-            fwd_cost=float(flops + FLOPS_PER_BYTE * moved) if self.cost_model == "flops" else 1.0,
+            fwd_cost=_flop_cost(self.cost_model, flops, moved),
             flops=flops, module=module_of(self.module, n)[0], grad_alias=grad_alias,
             tensor_output=bool(_tensors(out)),
         )
@@ -655,6 +662,16 @@ def user_hooks_disabled(root: torch.nn.Module):
             hooks.update(added)
 
 
+def _flop_cost(cost_model: str, flops: int, moved: int) -> float:
+    """A node's forward cost without a clock: FLOPs plus its bytes moved (``"flops"``), plus a
+    fused kernel's share of them (``"compiled"``), or 1 (``"uniform"``)."""
+    if cost_model == "flops":
+        return float(flops + FLOPS_PER_BYTE * moved)
+    if cost_model == "compiled":
+        return float(flops + FLOPS_PER_BYTE * FUSED_TRAFFIC * moved)
+    return 1.0
+
+
 def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> str:
     """Validate ``cost_model``; on fake tensors "measured" becomes "flops" (with a warning)."""
     if cost_model not in COST_MODELS:
@@ -692,7 +709,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             step = _time_step(gm, example_inputs, repeats)
         else:
             step = 3.0 * total_fwd  # backward ~ twice the forward
-    unit = {"measured": "ms", "flops": "flop-equivalents", "uniform": "nodes"}[cost_model]
+    unit = {"measured": "ms", "flops": "flop-equivalents", "compiled": "flop-equivalents", "uniform": "nodes"}[cost_model]
     log.debug("fxremat: profiled %d nodes (%s), step cost %.3g %s", len(costs), cost_model, step, unit)
     return GraphCosts(nodes=costs, step_cost=max(step, total_fwd), cost_model=cost_model, cost_unit=unit,
                       checkpoint_cost=mechanism[0], saving_node_cost=mechanism[1])
