@@ -309,7 +309,13 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
         torch._dynamo.reset()
     for budget in inductor_budgets:
-        model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step)
+        try:
+            model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step)
+        except fxremat.InfeasibleBudgetError as exc:
+            rows.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
+                         f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
+            torch._dynamo.reset()
+            continue
         label = f"torch.compile(fxremat {budget}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} MiB)"
         pair = _measure([plain, (label, model, seconds)], x, step, with_grads, repeats)
         rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
@@ -319,13 +325,18 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
 
 def calibration_table(rows) -> str:
     tracked_plain, allocated_plain = rows[0][1], rows[0][2]
+    inductor = next((r[3] for r in rows if r[0] == "torch.compile (Inductor) 1"), None)
     lines = ["| variant | tracker peak MiB (vs plain) | allocated peak MiB (vs plain) | step / plain eager | "
-             "compile s |", "|---|---|---|---|---|"]
+             "step / plain Inductor | compile s |", "|---|---|---|---|---|---|"]
     for label, tracked, allocated, ratio, seconds in rows:
+        if allocated is None:
+            lines.append(f"| {label} | — | — | — | — | — |")
+            continue
         tracked_text = (f"{tracked / MIB:.1f} ({100 * (tracked / tracked_plain - 1):+.0f}%)" if tracked is not None
                         else "not visible")
         allocated_text = f"{allocated / MIB:.1f} ({100 * (allocated / allocated_plain - 1):+.0f}%)"
-        lines.append(f"| {label} | {tracked_text} | {allocated_text} | {ratio:.2f} | {seconds:.1f} |")
+        vs_inductor = f"{ratio / inductor:.2f}" if inductor else "—"
+        lines.append(f"| {label} | {tracked_text} | {allocated_text} | {ratio:.2f} | {vs_inductor} | {seconds:.1f} |")
     return "\n".join(lines)
 
 

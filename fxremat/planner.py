@@ -265,7 +265,8 @@ class _Rotor(_Enumerated):
         return self.cands
 
 
-def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots: int = DEFAULT_ROTOR_SLOTS):
+def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots: int = DEFAULT_ROTOR_SLOTS,
+             nested: bool = True):
     """The strategy's candidate sources by name, the number of lower sets searched, and notes."""
     sources: dict[str, _Source] = {}
     sets, notes, used = 0, (), None
@@ -277,7 +278,7 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots
         # The DP optimises an upper bound of the peak, so the approximate family's optimum can
         # simulate lower than the exact one's; it is cheap, so auto looks at both.
         sources["approx"] = _KusumotoDP(graph, _family(graph, "approx", exact_cap)[0])
-    if strategy in ("auto", "rotor"):
+    if strategy == "rotor" or (strategy == "auto" and nested):
         sources["rotor"] = _Rotor(graph, rotor_slots)
     if strategy in ("auto", "chen"):
         sources["chen"] = _Chain(graph, chen.chen_candidates(graph))
@@ -289,12 +290,14 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots
 
 
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
-           rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None) -> Choice:
+           rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None, nested: bool = True) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
 
     ``plain_peak_bytes``: the model's own peak without fxremat, where it is not the graph's
     (a captured model whose plain code takes other paths, see :mod:`fxremat.passes.capture`):
     a fraction budget is a fraction of it, and it is the reported ``baseline_peak_bytes``.
+    ``nested=False``: ``"auto"`` leaves out rotor's nested checkpoints (a compiled step does not
+    keep them: see :func:`fxremat.compile`'s ``backend``).
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
     articulation chain, nested checkpoints), ``"chen"``, ``"hong"``, ``"sequential"`` (chain
@@ -313,7 +316,7 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         return Choice(schedule=plain, strategy="none", objective="time-centric", budget_bytes=target or plain_peak,
                       baseline_peak_bytes=baseline, peak_bytes=plain_peak, recompute_time=0, solve_seconds=0.0,
                       num_lower_sets=0)
-    sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots)
+    sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots, nested)
     least = {name: src.least() for name, src in sources.items()}
     if not any(least.values()):
         raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has fewer than two "

@@ -166,3 +166,17 @@ def test_equal_work_gets_an_equal_measured_cost():
     kinds = clock.kind
     assert len({kinds[f"_{i}_0"] for i in range(1, 6)}) == 1
     assert len({kinds["_0_0"], kinds["_1_0"], kinds["_6"], kinds["_8"], kinds["_1_1"]}) == 5  # other inputs, shapes, ops
+
+
+def test_flat_plans_for_a_compiled_step():
+    """nested=False (fxremat.compile with a compiler backend): auto plans without rotor's nested
+    checkpoints, which a compiled step does not keep; explicitly asked, rotor still nests."""
+    graph = load_graph(os.path.join(FIXTURES, "resnet50.json"))
+    for budget in (parse_budget("min"), parse_budget(0.5)):
+        nested = choose(graph, budget)
+        flat = choose(graph, budget, nested=False)
+        assert flat.schedule.depth == 1 and flat.strategy != "rotor"
+        assert all(s.depth == 1 for _, s, _, _ in flat.alternatives)
+        assert nested.peak_bytes <= flat.peak_bytes or budget.fraction is not None
+    assert choose(graph, parse_budget("min")).schedule.depth > 1
+    assert choose(graph, parse_budget("min"), strategy="rotor", nested=False).schedule.depth > 1
