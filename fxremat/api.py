@@ -298,7 +298,8 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
         costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
         graph = build_graph(gm, costs)
         schedule = plan_schedule(saved, graph, origin=origin)
-        baseline = _plain_peak(graph, plain_extra_bytes) or simulate(graph, Schedule.plain(graph.n))
+        own = _plain_peak(graph, plain_extra_bytes)
+        baseline = simulate(graph, Schedule.plain(graph.n)) if own is None else own
         peak = simulate(graph, schedule)
     target = config.budget.resolve(baseline)
     if target is None and saved.objective != "memory-centric":
