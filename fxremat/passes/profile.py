@@ -585,19 +585,6 @@ def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, flo
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def _time_step(gm: fx.GraphModule, inputs, repeats: int) -> float:
-    """Median milliseconds of one plain forward + backward (gradients not accumulated)."""
-    params = [p for p in gm.parameters() if p.requires_grad]
-    samples = []
-    for _ in range(repeats + 1):
-        start = _now()
-        loss = _scalar_loss(gm(*inputs))
-        if loss is not None and params:
-            torch.autograd.grad(loss, params, allow_unused=True)
-        samples.append((_now() - start) * 1e3)
-    return statistics.median(samples[1:])
-
-
 def step_times(modules, inputs, repeats: int) -> list[float]:
     """Median milliseconds of one forward + backward (gradients not accumulated) of each of
     ``modules`` on the same ``inputs``, timed side by side: a step of each in turn, ``repeats``
@@ -706,7 +693,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             mechanism = (0.0, 0.0)  # no clock: the mechanism is not modelled
         total_fwd = sum(c.fwd_cost for c in costs)
         if cost_model == "measured":
-            step = _time_step(gm, example_inputs, repeats)
+            step = step_times([gm], example_inputs, repeats)[0]
         else:
             step = 3.0 * total_fwd  # backward ~ twice the forward
     unit = {"measured": "ms", "flops": "flop-equivalents", "compiled": "flop-equivalents", "uniform": "nodes"}[cost_model]
