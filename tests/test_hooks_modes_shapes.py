@@ -113,6 +113,33 @@ def test_hook_added_after_compiling_runs_and_global_hook():
     assert_same_state(plain, compiled)
 
 
+def test_hook_fingerprint_names_what_named_modules_names():
+    """The per-step fingerprint walks the module tree itself: it names each hooked submodule by
+    its first path in ``named_modules()`` (a shared module once), skips torch's own hooks and
+    the root's, and sees global hooks."""
+    from fxremat.passes.trace import hooked_modules
+
+    shared = nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old weight_norm: a hook defined in torch
+        normed = torch.nn.utils.weight_norm(nn.Linear(2, 2))
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), nn.ModuleDict({"a": shared, "b": nn.Linear(2, 2)}),
+                          nn.Sequential(nn.Identity(), shared, normed), None)
+    assert normed._forward_pre_hooks and hooked_modules(model) == frozenset()
+    shared.register_forward_hook(lambda m, i, o: None)
+    model[1]["b"].register_forward_pre_hook(lambda m, i: None)
+    model[0].register_full_backward_hook(lambda m, gi, go: None)
+    model.register_forward_hook(lambda m, i, o: None)  # the root: runs around the graph
+    first_paths = {id(m): name for name, m in reversed(list(model.named_modules())) if name}
+    expected = frozenset(first_paths[id(m)] for m in (shared, model[1]["b"], model[0]))
+    assert hooked_modules(model) == expected == frozenset({"0.0", "1.b", "0"})
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert hooked_modules(model) == expected | {"<global>"}
+    finally:
+        handle.remove()
+
+
 def test_root_hooks_and_full_backward_hook():
     torch.manual_seed(0)
     plain, model = pair(Net())

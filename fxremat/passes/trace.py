@@ -188,13 +188,33 @@ def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
     whole forward and never inside the trace) with user hooks (not defined inside torch), and
     whether a global user hook is set: the fingerprint compared at each training step. Hooks
     torch adds after compiling (FSDP2's ``fully_shard`` of a compiled module's leaves) are part
-    of the computation and change nothing; a user hook anywhere is seen and leads to a retrace."""
-    def user(hooks) -> bool:
-        return any(not is_torch_hook(h) for h in hooks.values())
-    names = frozenset(name for name, m in model.named_modules()
-                      if name and any(user(getattr(m, d)) for d in _MODULE_HOOKS))
-    return names | ({"<global>"} if any(user(getattr(torch.nn.modules.module, d)) for d in _GLOBAL_HOOKS)
-                    else frozenset())
+    of the computation and change nothing; a user hook anywhere is seen and leads to a retrace.
+
+    It runs at every training step, so it walks the ``_modules`` dicts itself and looks at hook
+    dicts only where one is non-empty (``named_modules`` and a check per module cost ~65 µs on a
+    4-block transformer, 1% of its forward)."""
+    found = []
+    seen = {id(model)}
+    stack = [("", name, child) for name, child in reversed(model._modules.items())]
+    while stack:  # preorder, each module once under its first path, as named_modules()
+        prefix, name, module = stack.pop()
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        hooked = ((module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                   or module._backward_pre_hooks) and any(_user_hooks(getattr(module, d)) for d in _MODULE_HOOKS))
+        if hooked or module._modules:  # a path is built only where it is needed
+            path = f"{prefix}.{name}" if prefix else name
+            if hooked:
+                found.append(path)
+            stack.extend((path, child_name, child) for child_name, child in reversed(module._modules.items()))
+    if any(_user_hooks(getattr(torch.nn.modules.module, d)) for d in _GLOBAL_HOOKS):
+        found.append("<global>")
+    return frozenset(found)
+
+
+def _user_hooks(hooks) -> bool:
+    return any(not is_torch_hook(h) for h in hooks.values())
 
 
 class _PythonValueError(fx.proxy.TraceError, TypeError):
