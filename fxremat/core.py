@@ -52,8 +52,9 @@ class CostGraph:
     the backward of its first reader (in backward order) to that of its last.
 
     The checkpoint mechanism's own time, in ``time`` units: ``checkpoint_time`` per recomputed
-    segment and ``saving_node_time`` per node of it that saves tensors (saved-tensor hooks, RNG
-    state, recomputation bookkeeping; 0 when the costs are not measured on a clock).
+    segment (RNG state, set-up, early stop) and ``hook_time[v]`` for each node v in it (the
+    saved-tensor hooks of the tensors v saves, and making them again in the backward; 0 when the
+    costs are not measured on a clock).
 
     The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to allocate
     while the backward starts; ``loss_output`` the index of a one-element differentiable output
@@ -81,7 +82,7 @@ class CostGraph:
     loss_bytes: int
     loss_output: int | None
     checkpoint_time: int
-    saving_node_time: int
+    hook_time: tuple[int, ...]
     time_unit: float
     step_cost: float
     cost_unit: str
@@ -127,9 +128,9 @@ class CostGraph:
 
     def recompute_cost(self, v: int) -> int:
         """What v costs inside a recomputed segment, beyond the segment's fixed
-        ``checkpoint_time``: its forward (``time``), and the checkpoint's saved-tensor hooks
-        (``saving_node_time``) if it saves tensors."""
-        return self.time[v] + (self.saving_node_time if self.saves_tensors(v) else 0)
+        ``checkpoint_time``: its forward (``time``) and the checkpoint's hooks for what it saves
+        (``hook_time``)."""
+        return self.time[v] + self.hook_time[v]
 
     def step_transient(self, v: int) -> int:
         """The larger of v's forward and backward transients, plus the gradients of shared

@@ -237,9 +237,8 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
 
 def mechanism_time(graph: CostGraph, seg, inner: Schedule | None = None) -> int:
     """The checkpoint mechanism's time for a checkpoint over ``seg`` (``graph.checkpoint_time``
-    plus ``graph.saving_node_time`` per node whose forward saves tensors), nested checkpoints
-    (``inner``) included."""
-    total = graph.checkpoint_time + graph.saving_node_time * sum(graph.saves_tensors(v) for v in seg)
+    plus each node's ``graph.hook_time``), nested checkpoints (``inner``) included."""
+    total = graph.checkpoint_time + sum(graph.hook_time[v] for v in seg)
     for i, (sub, rec) in enumerate(zip(inner.segments, inner.recomputed) if inner else ()):
         if rec:
             total += mechanism_time(graph, sub, inner.inner_of(i))

@@ -64,7 +64,7 @@ def cost_graphs(draw, max_nodes=6, max_bytes=9, min_nodes=0, reach=None):
         out_bytes=tuple(ints(max_bytes)), root=tuple(roots), saved=tuple(tuple(sorted(s)) for s in saved),
         extra_bytes=tuple(ints(3)), grad_bytes=tuple(ints(max_bytes)), grad_alias=(False,) * n,
         transient_bytes=transient, bwd_transient_bytes=transient, param_grad_bytes=(0,) * n, shared_params=(),
-        loss_bytes=draw(st.integers(0, max_bytes)), loss_output=None, checkpoint_time=0, saving_node_time=draw(st.integers(0, 3)), time_unit=1.0, step_cost=1.0,
+        loss_bytes=draw(st.integers(0, max_bytes)), loss_output=None, checkpoint_time=0, hook_time=tuple(ints(3)), time_unit=1.0, step_cost=1.0,
         cost_unit="units",
     )
 
@@ -322,7 +322,7 @@ def test_empty_graph_solves(dp_impl):
     graph = CostGraph(names=(), preds=(), succs=(), order_preds=(), anchor=(), is_output=(), time=(), out_bytes=(),
                       root=(), saved=(), extra_bytes=(), grad_bytes=(), grad_alias=(), transient_bytes=(),
                       bwd_transient_bytes=(), param_grad_bytes=(), shared_params=(), loss_bytes=0, loss_output=None,
-                      checkpoint_time=0, saving_node_time=0,
+                      checkpoint_time=0, hook_time=(),
                       time_unit=1.0, step_cost=1.0, cost_unit="units")
     tables = kusumoto.build_tables(graph, exact_family(graph))
     assert kusumoto.solve(graph, tables) == kusumoto.Solution((), 0, 0)

@@ -1,5 +1,5 @@
 """The step-time model: the checkpoint mechanism's own time is counted per recomputed segment
-(nested ones included) and per node in it that saves tensors; measured costs come from a clock."""
+(nested ones included) and per node in it, by the tensors it saves; measured costs come from a clock."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import os
 
 import torch
 
+import torch.fx as fx
+
 from fxremat.core import Schedule, load_graph
-from fxremat.passes.profile import checkpoint_costs
+from fxremat.passes.lower import build_graph
+from fxremat.passes.profile import checkpoint_costs, profile
 from fxremat.planner import choose, recompute_time
 from fxremat.budget import parse_budget
 from fxremat.simulate import rerun_time
@@ -17,22 +20,21 @@ from fxremat.simulate import rerun_time
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fixtures")
 
 
-def test_mechanism_time_counts_segments_and_saving_nodes():
+def test_mechanism_time_counts_segments_and_each_nodes_hooks():
     graph = load_graph(os.path.join(FIXTURES, "unet.json"))
     sched = choose(graph, parse_budget(0.5), strategy="exact").schedule
     recomputed = [seg for seg, rec in zip(sched.segments, sched.recomputed) if rec]
     assert recomputed
     rerun = sum(rerun_time(graph, seg) for seg in recomputed)
     assert recompute_time(graph, sched) == rerun  # the fixture was profiled without a clock
-    costly = dataclasses.replace(graph, checkpoint_time=1000, saving_node_time=7)
-    saving = sum(graph.saves_tensors(v) for seg in recomputed for v in seg)
-    assert saving > 0
-    assert recompute_time(costly, sched) == rerun + 1000 * len(recomputed) + 7 * saving
+    costly = dataclasses.replace(graph, checkpoint_time=1000, hook_time=tuple(7 * (v % 3) for v in range(graph.n)))
+    hooks = sum(costly.hook_time[v] for seg in recomputed for v in seg)
+    assert hooks > 0
+    assert recompute_time(costly, sched) == rerun + 1000 * len(recomputed) + hooks
 
 
 def test_nested_checkpoints_pay_the_mechanism_again():
-    graph = dataclasses.replace(load_graph(os.path.join(FIXTURES, "vgg19.json")), checkpoint_time=100,
-                                saving_node_time=0)
+    graph = dataclasses.replace(load_graph(os.path.join(FIXTURES, "vgg19.json")), checkpoint_time=100)
     seg = tuple(range(10))
     inner = Schedule((seg[:5], seg[5:]), (True, False))
     flat = Schedule((seg, tuple(range(10, graph.n))), (True, False))
@@ -43,9 +45,42 @@ def test_nested_checkpoints_pay_the_mechanism_again():
 
 
 def test_checkpoint_costs_are_measured_and_not_negative():
-    per_checkpoint, per_node = checkpoint_costs(torch.device("cpu"), repeats=5)
-    assert per_checkpoint >= 0 and per_node >= 0
-    assert per_checkpoint + per_node > 0  # a checkpoint costs something on any clock
+    costs = checkpoint_costs(torch.device("cpu"), repeats=3)
+    assert min(costs.per_checkpoint, costs.per_saved_tensor, costs.per_saved_mib) >= 0
+    assert costs.per_checkpoint + costs.per_saved_tensor > 0  # a checkpoint costs something on any clock
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return torch.tanh(self.norm(self.lin(x))) + 1
+
+
+def test_each_nodes_hooks_follow_the_tensors_it_saves():
+    """The profile counts what each node hands autograd (the first linear: its input, as the
+    input needs no gradient; layer_norm: input, weight, bias, mean, rstd; tanh: its output; adding
+    a constant: nothing), bytes without parameters, and the graph
+    charges each node the mechanism for exactly those."""
+    gm = fx.symbolic_trace(_NormBlock())
+    x = torch.randn(8, 16)
+    costs = profile(gm, (x,), cost_model="measured", repeats=1)
+    by_name = {c.name: c for c in costs.nodes}
+    assert [by_name[n].saved_count for n in ("lin", "norm", "tanh", "add")] == [1, 5, 1, 0]
+    row = 8 * 4  # float32 per row
+    assert by_name["lin"].saved_bytes == 16 * row
+    assert by_name["norm"].saved_bytes == 16 * row + 2 * row  # input, mean, rstd
+    assert by_name["tanh"].saved_bytes == 16 * row
+    graph = build_graph(gm, costs)
+    unit = graph.time_unit
+    for v, name in enumerate(graph.names):
+        c = by_name[name]
+        assert graph.hook_time[v] == round(costs.mechanism.of_node(c.saved_count, c.saved_bytes) / unit)
+    assert graph.hook_time[graph.names.index("add")] == 0
+    assert graph.recompute_cost(graph.names.index("norm")) > graph.time[graph.names.index("norm")]
 
 
 def test_planner_pays_for_checkpoints_where_memory_allows():
@@ -54,7 +89,8 @@ def test_planner_pays_for_checkpoints_where_memory_allows():
     model) than the plan chosen as if the mechanism were free."""
     graph = load_graph(os.path.join(FIXTURES, "unet.json"))
     total = sum(graph.time)
-    costly = dataclasses.replace(graph, checkpoint_time=total // 10, saving_node_time=total // 200)
+    costly = dataclasses.replace(graph, checkpoint_time=total // 10,
+                                 hook_time=tuple(total // 200 if graph.saves_tensors(v) else 0 for v in range(graph.n)))
     for budget in (parse_budget(0.6), parse_budget(0.4), parse_budget("min")):
         free = choose(graph, budget, strategy="exact")
         paid = choose(costly, budget, strategy="exact")

@@ -88,8 +88,9 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         shared_params=shared,
         loss_bytes=0 if loss_output is not None else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
         loss_output=loss_output,
-        checkpoint_time=round(costs.checkpoint_cost / unit),
-        saving_node_time=round(costs.saving_node_cost / unit),
+        checkpoint_time=round(costs.mechanism.per_checkpoint / unit) if costs.mechanism else 0,
+        hook_time=tuple(round(costs.mechanism.of_node(c.saved_count, c.saved_bytes) / unit) if costs.mechanism else 0
+                        for c in node_costs),
         time_unit=unit,
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,

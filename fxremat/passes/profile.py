@@ -93,6 +93,8 @@ class NodeCost:
     uses_rng: bool = False
     bwd_transient_bytes: int = 0
     params: tuple[str, ...] = ()
+    saved_count: int = 0  # tensors its forward hands autograd to save (each a pack/unpack in a checkpoint)
+    saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,7 @@ class GraphCosts:
     step_cost: float
     cost_model: str
     cost_unit: str
-    checkpoint_cost: float = 0.0  # the checkpoint mechanism: per recomputed segment ...
-    saving_node_cost: float = 0.0  # ... and per node in it that saves tensors (see checkpoint_costs)
+    mechanism: "CheckpointCosts | None" = None  # the checkpoint mechanism's own costs (measured clocks only)
 
 
 def _storage_key(t: torch.Tensor):
@@ -142,15 +143,23 @@ def _same_states(a, b) -> bool:
 
 
 class _SavedRecorder:
-    """saved_tensors_hooks pack hook recording (storage key, nbytes) of every saved tensor."""
+    """saved_tensors_hooks pack hook recording (storage key, nbytes) of every saved tensor, and
+    how many tensors were packed with how many bytes (``stored``: storages left out of the bytes,
+    the parameters and buffers)."""
 
-    def __init__(self):
+    def __init__(self, stored=frozenset()):
         self.saved: dict[int, int] = {}
+        self.stored = stored
+        self.count = 0
+        self.nbytes = 0
 
     def pack(self, t):
         key = _storage_key(t)
+        self.count += 1
         if key is not None:
             self.saved[key] = t.untyped_storage().nbytes()
+            if key not in self.stored:
+                self.nbytes += t.numel() * t.element_size()
         # A detached alias (same storage): keeping ``t`` itself would make the cycle
         # tensor -> grad_fn -> saved tensor, which runs through C++ where gc cannot free it.
         return t.detach()
@@ -224,6 +233,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             self.owner[_storage_key(b)] = ""
         for k in self.param_keys:
             self.owner[k] = ""
+        self.stored_keys = frozenset(self.owner)  # parameters and buffers
         self.costs: list[NodeCost] = []
         self.buffers = list(gm.named_buffers())
         self.fake = _is_fake(list(gm.parameters()) + list(gm.buffers()))
@@ -244,7 +254,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         before = {t.grad_fn for t in _tensors(self._fetch_args(n)) if t.grad_fn is not None}
         rng_before = None if self.fake else _rng_states()
         seeded = _SeededOps()
-        recorder = _SavedRecorder()
+        recorder = _SavedRecorder(self.stored_keys)
         flop_counter = FlopCounterMode(display=False) if self.cost_model in ("flops", "compiled") else None
         live_before = self.tracker.live_bytes
         self.tracker.peak_bytes = live_before
@@ -261,7 +271,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before), mutated_buffers=mutated,
-                       uses_rng=uses_rng)
+                       uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
             cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
         self.costs.append(cost)
@@ -511,33 +521,54 @@ def _time_forward(gm: fx.GraphModule, inputs, repeats: int) -> dict[str, float]:
     return {name: statistics.median(pooled[kind[name]]) for name in samples}
 
 
-def _chain(x: torch.Tensor, k: int) -> torch.Tensor:
+def _tanh_chain(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     for _ in range(k):
-        x = torch.tanh(x)  # saves its output
+        x = torch.tanh(x)  # saves its output: one tensor
     return x
 
 
-_MACHINE_COSTS: dict[str, tuple[float, float]] = {}
+def _norm_chain(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
+    for _ in range(k):
+        x = torch.layer_norm(x, x.shape[-1:], w, w)  # saves input, weight, bias, mean, rstd
+    return x
 
 
-def machine_checkpoint_costs(device: torch.device) -> tuple[float, float]:
-    """:func:`checkpoint_costs` on ``device``, measured once per process (31 repeats): it is a
-    property of the machine, not of a model, and every plan made in one process then counts
-    the mechanism alike."""
+@dataclass(frozen=True)
+class CheckpointCosts:
+    """Milliseconds the non-reentrant checkpoint adds beyond the forward it runs again: per
+    checkpoint (its set-up, RNG state, the early stop), per tensor saved inside it (a pack hook in
+    the forward, one in the recomputation, an unpack in the backward), and per MiB of those
+    tensors (the recomputed values are made again in the backward, where the cache holds the
+    backward's own data: measured here, a saved 4 MiB tensor costs ~25 µs more than a 1 KiB one)."""
+
+    per_checkpoint: float
+    per_saved_tensor: float
+    per_saved_mib: float
+
+    def of_node(self, saved_count: int, saved_bytes: int) -> float:
+        """What a node saving ``saved_count`` tensors of ``saved_bytes`` adds inside a checkpoint."""
+        return self.per_saved_tensor * saved_count + self.per_saved_mib * saved_bytes / 2**20
+
+
+_MACHINE_COSTS: dict[str, CheckpointCosts] = {}
+
+
+def machine_checkpoint_costs(device: torch.device) -> CheckpointCosts:
+    """:func:`checkpoint_costs` on ``device``, measured once per process: it is a property of the
+    machine, not of a model, and every plan made in one process then counts the mechanism alike."""
     key = str(device)
     if key not in _MACHINE_COSTS:
-        _MACHINE_COSTS[key] = checkpoint_costs(device, repeats=31)
+        _MACHINE_COSTS[key] = checkpoint_costs(device)
     return _MACHINE_COSTS[key]
 
 
-def checkpoint_costs(device: torch.device, repeats: int = 15) -> tuple[float, float]:
-    """Milliseconds the non-reentrant checkpoint adds beyond the forward it runs again, measured
-    here: ``(per checkpoint, per node that saves a tensor)`` — its saved-tensor hooks, RNG state,
-    recomputation bookkeeping. Fitted on chains of 4 and 32 ``tanh`` on small tensors (the
-    mechanism's cost does not grow with the tensors' size); both at least 0."""
+def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts:
+    """The checkpoint mechanism's costs on ``device`` (:class:`CheckpointCosts`), fitted by least
+    squares on chains of 4 and 32 ops that save one tensor each (``tanh``) or five
+    (``layer_norm``), on 1 KiB and 1 MiB tensors: each chain's checkpointed step less its plain
+    step and its forward. Every cost is at least 0 (a term the fit makes negative is left out and
+    the rest fitted again)."""
     from torch.utils.checkpoint import checkpoint
-
-    x = torch.randn(256, device=device, requires_grad=True)
 
     def median_ms(fn) -> float:
         fn()
@@ -545,17 +576,36 @@ def checkpoint_costs(device: torch.device, repeats: int = 15) -> tuple[float, fl
         for _ in range(repeats):
             start = _now()
             fn()
+            _synchronize()
             samples.append((_now() - start) * 1e3)
         return statistics.median(samples)
 
-    extra = {}
-    for k in (4, 32):
-        plain = median_ms(lambda: _chain(x, k).sum().backward())
-        checkpointed = median_ms(lambda: checkpoint(_chain, x, k, use_reentrant=False).sum().backward())
-        forward = median_ms(lambda: _chain(x, k))
-        extra[k] = checkpointed - plain - forward
-    per_node = max(0.0, (extra[32] - extra[4]) / 28)
-    return max(0.0, extra[4] - 4 * per_node), per_node
+    rows, extra = [], []
+    for chain in (_tanh_chain, _norm_chain):
+        for numel in (256, 2**18):
+            x = torch.randn(numel // 64, 64, device=device, requires_grad=True)
+            w = torch.randn(64, device=device, requires_grad=True)
+            for k in (4, 32):
+                recorder = _SavedRecorder(frozenset({_storage_key(w)}))
+                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+                    chain(x, w, k)
+                plain = median_ms(lambda: chain(x, w, k).sum().backward())
+                checkpointed = median_ms(
+                    lambda: checkpoint(chain, x, w, k, use_reentrant=False).sum().backward())
+                forward = median_ms(lambda: chain(x, w, k))
+                rows.append((1.0, float(recorder.count), recorder.nbytes / 2**20))
+                extra.append(checkpointed - plain - forward)
+    terms = [0, 1, 2]
+    while True:
+        a = torch.tensor([[r[t] for t in terms] for r in rows], dtype=torch.float64)
+        fit = torch.linalg.lstsq(a, torch.tensor(extra, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+        if (fit >= 0).all() or len(terms) == 1:
+            break
+        terms = [t for t, c in zip(terms, fit.tolist()) if c >= 0] or [0]
+    costs = [0.0, 0.0, 0.0]
+    for t, c in zip(terms, fit.tolist()):
+        costs[t] = max(0.0, c)
+    return CheckpointCosts(*costs)
 
 
 def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, float]:
@@ -690,7 +740,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             mechanism = machine_checkpoint_costs(next(iter(devices)))
         else:
             costs = tuple(replace(c, bwd_cost=2.0 * c.fwd_cost) for c in costs)
-            mechanism = (0.0, 0.0)  # no clock: the mechanism is not modelled
+            mechanism = None  # no clock: the mechanism is not modelled
         total_fwd = sum(c.fwd_cost for c in costs)
         if cost_model == "measured":
             step = step_times([gm], example_inputs, repeats)[0]
@@ -699,4 +749,4 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
     unit = {"measured": "ms", "flops": "flop-equivalents", "compiled": "flop-equivalents", "uniform": "nodes"}[cost_model]
     log.debug("fxremat: profiled %d nodes (%s), step cost %.3g %s", len(costs), cost_model, step, unit)
     return GraphCosts(nodes=costs, step_cost=max(step, total_fwd), cost_model=cost_model, cost_unit=unit,
-                      checkpoint_cost=mechanism[0], saving_node_cost=mechanism[1])
+                      mechanism=mechanism)
