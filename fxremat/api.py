@@ -66,6 +66,7 @@ class _Config:
     autotune: int = 0
     leaf_modules: tuple = ()
     nested: bool = True  # False with a compiler backend: "auto" plans without nested checkpoints
+    one_backward: bool = False  # True with a compiler backend: the backward is one graph (CostGraph.param_grads_held)
 
 
 def _positive_int(api: str, name: str, value, *, allow_none: bool = False) -> None:
@@ -233,7 +234,7 @@ def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[CostGr
     with _stage("profiling", f"{sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes, "
                              f"cost model {config.cost_model}"):
         costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
-        return build_graph(gm, costs), costs
+        return replace(build_graph(gm, costs), param_grads_held=config.one_backward), costs
 
 
 def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:
@@ -296,7 +297,7 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
     cost_model = saved.cost_model if saved.cost_model != "measured" else "uniform"
     with _stage("checking the saved plan", f"{saved.strategy}, {len(saved.segments)} segments"):
         costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
-        graph = build_graph(gm, costs)
+        graph = replace(build_graph(gm, costs), param_grads_held=config.one_backward)
         schedule = plan_schedule(saved, graph, origin=origin)
         own = _plain_peak(graph, plain_extra_bytes)
         baseline = simulate(graph, Schedule.plain(graph.n)) if own is None else own
@@ -519,7 +520,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if cost_model is None:
         cost_model = "measured" if backend == "eager" else "compiled"
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
-    config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules), nested=backend == "eager")
+    config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),
+                     nested=backend == "eager", one_backward=backend != "eager")
     with _training_mode(model):
         traced = _traced(model, leaf_modules, "compile")
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)

@@ -211,6 +211,10 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
         grads.resum(p, graph.grad_bytes[p])
     if v in grads.of:
         grads.shared.after(v)
+    if graph.param_grads_held and graph.param_grad_bytes[v]:
+        # one compiled backward graph: v's parameter gradients wait for its end (an upper bound
+        # for a parameter read by several nodes, whose gradients the graph sums into one)
+        mem.alloc(("pg", v), graph.param_grad_bytes[v])
 
 
 _RETURNED = -1  # a consumer standing for the return of a recomputed segment's outputs

@@ -850,6 +850,65 @@ def test_backend_compiles_in_place_with_the_compiled_cost_model():
     torch._dynamo.reset()
 
 
+def _min_cut_replay():
+    """A torch.compile backend giving what Inductor is given (AOTAutograd, min-cut partition)
+    and running its graphs op by op, each input let go at its last use as Inductor's code does."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def compiler(gm, example_inputs):
+        gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm.recompile()
+        run = gm.forward
+
+        def boxed(args):
+            return run(args)
+
+        boxed._boxed_call = True
+        return boxed
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+
+
+def _allocated_peak(fn) -> int:
+    """Peak of the running sum of the profiler's CPU allocation events during ``fn()``: it sees
+    compiled code, which a dispatch-mode tracker would run eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def test_compiled_backward_holds_parameter_gradients_to_its_end():
+    """Under torch.compile the backward is one graph that returns every parameter's gradient when
+    it ends; with a backend the plan counts them alive until then. On an MLP whose weights
+    outweigh its activations the compiled step's measured peak is within 1.05x of that
+    prediction, and well above what the eager model predicts for the same schedule."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(128, 128), torch.nn.Tanh())])
+    x = torch.randn(4, 128)
+    compiled = fxremat.compile(copy.deepcopy(model), 1.0, example_inputs=(x,), backend=_min_cut_replay())
+    eager_model = fxremat.compile(copy.deepcopy(model), 1.0, example_inputs=(x,), plan=compiled.plan)
+    held, eager = compiled.plan.predicted_peak_bytes, eager_model.plan.predicted_peak_bytes
+    with_grads(compiled)
+    loss_of(compiled(x)).backward()  # compiles both graphs
+
+    def step():
+        loss_of(compiled(x)).backward()
+
+    measured = _allocated_peak(step)
+    assert held > eager + 2 * 128 * 128 * 4  # at least two weights' gradients more than the eager model
+    assert eager * 1.05 < measured <= held * 1.05
+    torch._dynamo.reset()
+
+
 def test_backend_is_checked_at_the_call():
     with pytest.raises(ValueError, match="backend 'nope' is not a torch.compile backend.*list_backends"):
         fxremat.compile(small_unet(), 0.5, backend="nope")
