@@ -1,16 +1,12 @@
 """Issue 13 items 1, 2, 4: hooks, a model compiled in eval(), changing input shapes — as in eager."""
 
-import copy
-import logging
 import warnings
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fxremat
-from fxremat.passes import profile as profile_mod
 from _models import assert_same_state, pair, with_grads
 
 
