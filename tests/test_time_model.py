@@ -44,6 +44,41 @@ def test_nested_checkpoints_pay_the_mechanism_again():
     assert mech(flat) == 100 and mech(nested) == 200
 
 
+
+def test_neighbouring_checkpoints_merge_within_the_slack_of_a_step():
+    """Two adjacent recomputed segments become one where the simulated peak allows and the merged
+    plan's predicted time is at most ``MERGE_SLACK`` of a step above the split one's; beyond
+    that they stay split."""
+    from fxremat.planner import MERGE_SLACK, _candidate, _fewer_checkpoints
+
+    graph = dataclasses.replace(load_graph(os.path.join(FIXTURES, "unet.json")), checkpoint_time=1)
+    sched = choose(graph, parse_budget(0.4), strategy="exact").schedule
+    cases = []
+    for i, (seg, rec) in enumerate(zip(sched.segments, sched.recomputed)):
+        if rec and len(seg) >= 4 and 0 < i < len(sched.segments) - 1:  # one recomputed segment, split in two
+            before, after = sum(sched.segments[:i], ()), sum(sched.segments[i + 1:], ())
+            h = len(seg) // 2
+            whole = _candidate(graph, Schedule((before, seg, after), (False, True, False)))
+            split = _candidate(graph, Schedule((before, seg[:h], seg[h:], after), (False, True, True, False)))
+            cases.append((seg, split, whole))
+    seg, split, whole = max(cases, key=lambda c: c[2].recompute_time - c[1].recompute_time)
+    dearer = whole.recompute_time - split.recompute_time  # the split saves time (torch's early stop)
+    assert dearer > 0 and whole.peak_bytes <= split.peak_bytes
+    for slack, merges in ((dearer, True), (dearer - 1, False)):
+        g = dataclasses.replace(graph, step_cost=(slack + 0.5) * graph.time_unit / MERGE_SLACK)
+        got = _fewer_checkpoints(g, split, split.peak_bytes).schedule.segments
+        assert (seg in got) is merges and len(got) == 4 - merges
+
+
+def test_plans_closer_than_the_slack_are_told_apart_by_their_peak():
+    """Of two plans whose predicted times differ by at most the slack, the lower peak wins
+    whichever comes first; beyond the slack, the faster one."""
+    from fxremat.planner import _better, _Candidate
+
+    fast, lean = _Candidate(Schedule.plain(1), 200, 100), _Candidate(Schedule.plain(1), 150, 104)
+    assert _better(fast, lean, 4) is lean and _better(lean, fast, 4) is lean
+    assert _better(fast, lean, 3) is fast and _better(lean, fast, 3) is fast and _better(lean, fast) is fast
+
 def test_checkpoint_costs_are_measured_and_not_negative():
     costs = checkpoint_costs(torch.device("cpu"), repeats=3)
     assert min(costs.per_checkpoint, costs.per_saved_tensor, costs.per_saved_mib) >= 0
