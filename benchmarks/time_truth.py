@@ -21,6 +21,10 @@ plain step.
 
     PYTHONPATH=. python -m benchmarks.time_truth            # CPU, writes benchmarks/results/time_truth.md
     PYTHONPATH=. python -m benchmarks.time_truth --quick    # one budget per net, fewer repeats
+
+With Colossal-AI importable (its own venv: ``benchmarks/peers/colossal.py``'s ``VENV_SETUP``),
+the table of every strategy has a ``Colossal-AI rotor`` peer row:
+``PYTHONPATH=. /work/venv-cai/bin/python -m benchmarks.time_truth``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from fxremat.runtime import recompute
 
 from .harness import add_machine_options, load_average, set_up_machine, step, timed_step, with_grads
 from .nets import resnet_chain, transformer_stack
+from .peers import colossal
 
 BUDGETS = (0.6, 0.4, "min")
 
@@ -126,6 +131,7 @@ def measure(name, build, shape, budget, repeats: int) -> dict:
 
 
 PEERS = ("exact", "approx", "rotor", "chen", "hong", "sequential")
+COLOSSAL = "Colossal-AI rotor"  # a peer row where Colossal-AI imports (benchmarks/peers/colossal.py)
 SAME_MEMORY = 1.01  # "no more memory": a measured peak within 1% of auto's
 
 
@@ -144,6 +150,12 @@ def strategies(name, build, shape, budget, repeats: int) -> list[dict]:
                                                          strategy=strategy, autotune=tune))
         except (fxremat.InfeasibleBudgetError, ValueError) as exc:
             print(f"  {name} {budget} {label}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+    if "auto" in variants and colossal.installed():
+        budget_bytes = variants["auto"].plan.budget_bytes
+        try:
+            variants[COLOSSAL] = with_grads(colossal.rotor_module(copy.deepcopy(model), x, budget_bytes))
+        except ValueError as exc:
+            print(f"  {name} {budget} {COLOSSAL}: {exc}", flush=True)
     times = {k: [] for k in ("plain", *variants)}
     for _ in range(repeats):
         times["plain"].append(timed_step(plain, x))
@@ -153,8 +165,10 @@ def strategies(name, build, shape, budget, repeats: int) -> list[dict]:
     rows = []
     for label, m in variants.items():
         _, peak = fxremat.measure_peak(step, m, x)
-        rows.append({"net": name, "budget": budget, "variant": label, "strategy": m.plan.strategy,
-                     "peak": peak, "predicted": m.plan.predicted_overhead,
+        plan = getattr(m, "plan", None)  # the peer's module has none
+        rows.append({"net": name, "budget": budget, "variant": label,
+                     "strategy": plan.strategy if plan else "chain rotor, uniform costs",
+                     "peak": peak, "predicted": plan.predicted_overhead if plan else None,
                      "measured": statistics.median(times[label]) / p - 1})
     auto = next((r for r in rows if r["variant"] == "auto"), None)
     if auto is not None:
@@ -174,7 +188,8 @@ def _strategy_table(rows) -> str:
         mark = " (fastest at ≤ auto's memory)" if r.get("fastest") else ""
         vs = f"{r['vs_fastest']:+.1%}" if "vs_fastest" in r else ""
         lines.append(f"| {r['net']} | {r['budget']} | {r['variant']}{mark} | {r['strategy']} | {r['peak'] / mib:.2f} "
-                     f"| {r['predicted']:+.1%} | {r['measured']:+.1%} | {vs} |")
+                     f"| {'—' if r['predicted'] is None else format(r['predicted'], '+.1%')} | {r['measured']:+.1%} "
+                     f"| {vs} |")
     return "\n".join(lines)
 
 
@@ -187,6 +202,17 @@ def _table(rows) -> str:
                      f"| {r['predicted']:+.1%} | {r['measured']:+.1%} | {r['none']:+.1%} | {r['structure']:+.1%} "
                      f"| {r['recompute']:+.1%} | {r['mechanism']:+.1%} |")
     return "\n".join(lines)
+
+
+def _colossal_note() -> str:
+    if not colossal.installed():
+        return (f"No `{COLOSSAL}` rows: Colossal-AI does not import in this interpreter (it needs a venv of its "
+                f"own, `benchmarks/peers/colossal.py`: `VENV_SETUP`).")
+    return (f"`{COLOSSAL}`: Colossal-AI 0.5.0's `CheckpointSolverRotor` with its own tracer, meta profiler and "
+            f"checkpoint codegen (`benchmarks/peers/colossal.py`, patched for torch 2.x), given `auto`'s activation "
+            f"budget; on CPU its profiler times nothing, so every node costs 1 (uniform costs), and its "
+            f"recomputation updates BatchNorm statistics a second time. No row where it finds no schedule within "
+            f"the budget (a U-Net's skips make the chain a few large stages).")
 
 
 def main(argv=None) -> None:
@@ -214,7 +240,7 @@ def main(argv=None) -> None:
             f"## Every strategy at each budget\n\nEach strategy's own plan (`strategy=`), `auto`, and `auto` with "
             f"`autotune=True`, trained side by side with the plain model (medians of {repeats} interleaved steps; "
             f"peaks measured). The last column: `auto`'s step time over the fastest plan whose measured peak is at "
-            f"most 1% above auto's (its own or another strategy's); issue 15 asks for at most +3%.\n\n"
+            f"most 1% above auto's (its own or another strategy's); issue 15 asks for at most +3%. {_colossal_note()}\n\n"
             f"{_strategy_table(peer_rows)}\n")
     path = machine.out / ("time_truth_quick.md" if args.quick else "time_truth.md")
     path.write_text(text)

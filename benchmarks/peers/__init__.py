@@ -1,0 +1,1 @@
+"""Other projects' activation-checkpointing planners, wrapped to run as peer rows in the benchmarks."""
