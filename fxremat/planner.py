@@ -103,6 +103,9 @@ def _candidate(graph: CostGraph, sched: Schedule) -> _Candidate:
     return _Candidate(sched, simulate(graph, sched), recompute_time(graph, sched))
 
 
+MERGE_SLACK = 0.005  # of a step: a merge of two checkpoints may cost this much by the measured model
+
+
 def _slack(graph: CostGraph) -> int:
     """``MERGE_SLACK`` of a step in ``time`` units, where the costs are measured on a clock (the
     mechanism is modelled); 0 otherwise."""
@@ -121,9 +124,6 @@ def _better(a: _Candidate | None, b: _Candidate | None, slack: int = 0) -> _Cand
     return min(a, b, key=lambda c: (c.recompute_time, c.peak_bytes))
 
 
-MERGE_SLACK = 0.005  # of a step: a merge of two checkpoints may cost this much by the measured model
-
-
 def _fewer_checkpoints(graph: CostGraph, cand: _Candidate, budget: int) -> _Candidate:
     """``cand`` with adjacent recomputed segments merged into one checkpoint (fewer, larger
     segments) wherever the simulated peak stays within ``budget`` and the recompute time stays
@@ -134,8 +134,8 @@ def _fewer_checkpoints(graph: CostGraph, cand: _Candidate, budget: int) -> _Cand
     from one run to the next (measured on the 4-block transformer at 0.6: one segment of 57
     nodes or 54 + 3, with the fitted per-checkpoint cost between 0.06 and 0.12 ms). The one
     with fewer checkpoints is then every run's pick. Only costs measured on a clock (a modelled
-    mechanism, ``checkpoint_time > 0``) get the slack; other cost models merge only where the
-    time drops."""
+    mechanism, ``checkpoint_time > 0``) are merged: without a mechanism cost a merge saves
+    nothing, and the plan is left as it is."""
     if graph.checkpoint_time <= 0 or any(x is not None for x in cand.schedule.inner or ()):
         return cand
     limit = cand.recompute_time + _slack(graph)
