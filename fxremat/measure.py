@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from .core import Timeline
 
-__all__ = ["LiveStorageTracker", "measure_peak", "default_loss", "measure_timeline"]
+__all__ = ["LiveStorageTracker", "AllocatorPeak", "measure_peak", "default_loss", "measure_timeline"]
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -81,6 +81,41 @@ class LiveStorageTracker(TorchDispatchMode):
                 if t.untyped_storage()._cdata not in inputs:
                     self.track(t)
         return out
+
+
+class AllocatorPeak:
+    """The CUDA caching allocator's account of a block of code on ``device``: ``peak_bytes``, the
+    most allocated above what was allocated on entry, and ``end_bytes``, what was allocated on exit
+    above that (both stay 0 with ``device`` None: CPU, fake tensors).
+
+    It sees what :class:`LiveStorageTracker` cannot: the workspaces cuDNN and cuBLAS take from the
+    allocator inside an op (raw allocations, not tensors: a convolution's backward at batch 64 can
+    take a hundred MiB for a moment). Entering resets the device's peak statistics
+    (``torch.cuda.reset_peak_memory_stats``), as :func:`measure_peak` does."""
+
+    def __init__(self, device: torch.device | None):
+        self.device = device
+        self.peak_bytes = self.end_bytes = 0
+        self._base = 0
+
+    def __enter__(self):
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.end_bytes = torch.cuda.memory_allocated(self.device) - self._base
+        return False
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the block held for a moment beyond what it left allocated."""
+        return max(0, self.peak_bytes - self.end_bytes)
 
 
 def measure_peak(fn, *args, **kwargs):

@@ -157,3 +157,41 @@ def test_identity_shortcut_passes_its_gradient_through():
     measured = _measured(emitted, model, x)
     predicted = simulate(graph, Schedule(segments, (False, True, False)))
     assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
+
+
+WORKSPACE = 2**30
+
+
+class _Workspace:
+    """Stands in for the CUDA allocator's account (:class:`fxremat.measure.AllocatorPeak`) on
+    this CPU: every forward and backward the profiler runs holds WORKSPACE bytes for a moment, as
+    cuDNN's convolutions do, and the tensor tracker never sees them."""
+
+    def __init__(self, device):
+        self.peak_bytes, self.end_bytes = WORKSPACE, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @property
+    def transient_bytes(self):
+        return self.peak_bytes - self.end_bytes
+
+
+def test_allocator_workspaces_count_as_transients_and_bound_the_plan(monkeypatch):
+    x = torch.randn(4, 32)
+    gm = trace(WideTail())
+    tensors_only = {c.name: c for c in profile(gm, (x,), cost_model="flops").nodes}
+    monkeypatch.setattr("fxremat.passes.profile.AllocatorPeak", _Workspace)
+    with_workspace = {c.name: c for c in profile(gm, (x,), cost_model="flops").nodes}
+    for name, cost in with_workspace.items():
+        assert cost.fwd_transient_bytes == max(tensors_only[name].fwd_transient_bytes, WORKSPACE)
+    for name in ("inp", "up", "proj"):  # the Linears: the workspace less what their backward hands on
+        assert WORKSPACE - 2**20 <= with_workspace[name].bwd_transient_bytes < WORKSPACE
+        assert tensors_only[name].bwd_transient_bytes < 2**20
+    with pytest.raises(fxremat.InfeasibleBudgetError) as err:
+        fxremat.compile(WideTail(), WORKSPACE // 2, example_inputs=(x,))
+    assert err.value.min_feasible_bytes >= WORKSPACE

@@ -5,7 +5,9 @@
 - what autograd saves for its backward, measured with ``saved_tensors_hooks`` and deduplicated
   by storage: the producers of saved inputs, whether it saves its own output, and
   ``extra_bytes`` of buffers that alias nothing (dropout masks, pooling indices, BN statistics);
-- ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after;
+- ``fwd_transient_bytes``: memory it needs while running beyond what stays allocated after (on
+  CUDA the larger of the tensors' account and the allocator's, which also sees the workspaces
+  cuDNN and cuBLAS take: :class:`fxremat.measure.AllocatorPeak`; likewise the backward's);
 - ``bwd_transient_bytes``: memory its backward needs beyond the gradients it hands its inputs
   (temporaries of LayerNorm, GELU, attention; its parameters' gradients before they are
   accumulated), measured by running the node's forward again on detached inputs and its backward
@@ -20,8 +22,9 @@
   nodes must keep their relative order, or the RNG stream hands them other masks, and only the
   recomputed segments holding one restore the RNG state;
 - its forward and backward cost: median wall time over repeats (``"measured"``, CUDA kernels
-  waited for; the backward of a node is the time from its output's ``grad_fn`` starting to the
-  next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
+  waited for, the forwards then scaled to the forward timed whole where that is shorter: a step
+  overlaps launches and kernels; the backward of a node is the time from its output's ``grad_fn``
+  starting to the next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
   ``FakeTensorMode``; backward twice the forward), FLOPs plus an eighth of that term
   (``"compiled"``: the step runs under Inductor, which fuses pointwise ops into the kernels
   around them, so recomputing them costs little while a matmul or convolution costs its FLOPs)
@@ -51,7 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..measure import LiveStorageTracker
+from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from .state import StateWrites
 from .trace import CALL_OPS, is_torch_hook, module_of
@@ -241,6 +244,9 @@ class _ProfilingInterpreter(fx.Interpreter):
         # The buffers each node writes, found from the ops' schemas and values (F.batch_norm
         # writes running statistics without bumping their version counters).
         self.buffer_writes = StateWrites(self.buffers)
+        # On CUDA the allocator also sees the workspaces ops take (cuDNN, cuBLAS), which are not
+        # tensors: each node's transients are the larger of the two accounts (profile() sets it).
+        self.allocator_device: torch.device | None = None
 
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
@@ -259,12 +265,13 @@ class _ProfilingInterpreter(fx.Interpreter):
         live_before = self.tracker.live_bytes
         self.tracker.peak_bytes = live_before
         self.buffer_writes.clear()
+        allocator = AllocatorPeak(self.allocator_device)
         # buffer_writes below the tracker: the copies it compares values with are not counted.
-        with self.buffer_writes, seeded, self.tracker, torch.autograd.graph.saved_tensors_hooks(
+        with self.buffer_writes, seeded, self.tracker, allocator, torch.autograd.graph.saved_tensors_hooks(
             recorder.pack, recorder.unpack
         ), (flop_counter or contextlib.nullcontext()):
             out = super().run_node(n)
-        transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes)
+        transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes, allocator.transient_bytes)
         flops = flop_counter.get_total_flops() if flop_counter else 0
         uses_rng = (_draws_random(self.module, n) or seeded.drew
                     or (rng_before is not None and not _same_states(rng_before, _rng_states())))
@@ -313,13 +320,13 @@ class _ProfilingInterpreter(fx.Interpreter):
             return 0
         root = _Seed.apply(made, *outs)
         seed = torch.ones_like(root)
-        tracker = LiveStorageTracker()
-        with tracker:
+        tracker, allocator = LiveStorageTracker(), AllocatorPeak(self.allocator_device)
+        with tracker, allocator:
             torch.autograd.backward(root, seed, inputs=wrt)
         incoming = sum(t.numel() * t.element_size() for t in outs)
         views_of_incoming = {ref()._cdata for ref in made if ref() is not None}  # alive through `arrived`
-        kept = tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming)
-        return max(0, tracker.peak_bytes - incoming - sum(kept))
+        kept = sum(tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming))
+        return max(0, tracker.peak_bytes - incoming - kept, allocator.peak_bytes - incoming - kept)
 
     def _node_params(self, n: fx.Node, args, kwargs) -> dict[str, torch.Tensor]:
         """The parameters (that require grad) the node reads, by qualified name: its module's
@@ -521,6 +528,30 @@ def _time_forward(gm: fx.GraphModule, inputs, repeats: int) -> dict[str, float]:
     return {name: statistics.median(pooled[kind[name]]) for name in samples}
 
 
+def _whole_forward_ms(gm: fx.GraphModule, inputs, repeats: int) -> float:
+    """Median milliseconds of the whole forward (as training runs it, with autograd recording),
+    waited for at its ends only, after one untimed forward."""
+    samples = []
+    for i in range(repeats + 1):
+        start = _now()
+        out = gm(*inputs)
+        elapsed = (_now() - start) * 1e3
+        del out
+        if i:
+            samples.append(elapsed)
+    return statistics.median(samples)
+
+
+def _overlapped(fwd: dict[str, float], whole_ms: float) -> dict[str, float]:
+    """Per-node forward times scaled to the forward timed whole, where that is shorter. On a GPU
+    each node timed alone waits for its kernels and pays its launch in full, while a training step
+    (and a recomputation in its backward) queues the next launch as a kernel runs."""
+    total = sum(fwd.values())
+    if total <= 0 or whole_ms >= total:
+        return fwd
+    return {name: ms * whole_ms / total for name, ms in fwd.items()}
+
+
 def _tanh_chain(x: torch.Tensor, w: torch.Tensor, k: int) -> torch.Tensor:
     for _ in range(k):
         x = torch.tanh(x)  # saves its output: one tensor
@@ -565,7 +596,7 @@ def machine_checkpoint_costs(device: torch.device) -> CheckpointCosts:
 def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts:
     """The checkpoint mechanism's costs on ``device`` (:class:`CheckpointCosts`), fitted by least
     squares on chains of 4 and 32 ops that save one tensor each (``tanh``) or five
-    (``layer_norm``), on 1 KiB and 1 MiB tensors: each chain's checkpointed step less its plain
+    (``layer_norm``), on 1 KiB and 1 MiB tensors (and 16 MiB off the CPU): each chain's checkpointed step less its plain
     step and its forward. Every cost is at least 0 (a term the fit makes negative is left out and
     the rest fitted again)."""
     from torch.utils.checkpoint import checkpoint
@@ -581,8 +612,11 @@ def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts
         return statistics.median(samples)
 
     rows, extra = [], []
+    # On a GPU a 1 MiB tensor is launch-bound like a 1 KiB one, so the per-MiB term would be
+    # fitted to noise and then multiplied by the GiB a GPU-sized segment saves: 16 MiB tensors too.
+    sizes = (256, 2**18) if device.type == "cpu" else (256, 2**18, 2**22)
     for chain in (_tanh_chain, _norm_chain):
-        for numel in (256, 2**18):
+        for numel in sizes:
             x = torch.randn(numel // 64, 64, device=device, requires_grad=True)
             w = torch.randn(64, device=device, requires_grad=True)
             for k in (4, 32):
@@ -723,11 +757,20 @@ def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> s
     return cost_model
 
 
+def _allocator_device(gm: fx.GraphModule, example_inputs) -> torch.device | None:
+    """The CUDA device whose caching allocator the graph's real (not fake) tensors use, or None."""
+    for t in [*_tensors(example_inputs), *gm.parameters(), *gm.buffers()]:
+        if t.is_cuda and not isinstance(t, FakeTensor):
+            return t.device
+    return None
+
+
 def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured", repeats: int = 3) -> GraphCosts:
     """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring)."""
     cost_model = resolve_cost_model(cost_model, example_inputs, gm)
     with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
         interp = _ProfilingInterpreter(gm, cost_model, repeats)
+        interp.allocator_device = _allocator_device(gm, example_inputs)
         for t in _tensors(example_inputs):
             interp.owner.setdefault(_storage_key(t), "")
         interp.run(*example_inputs)
@@ -735,6 +778,8 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
         if cost_model == "measured":
             bwd = _time_backward(gm, interp.env, repeats)
             fwd = _time_forward(gm, example_inputs, repeats)
+            if interp.allocator_device is not None:
+                fwd = _overlapped(fwd, _whole_forward_ms(gm, example_inputs, repeats))
             costs = tuple(replace(c, fwd_cost=fwd[c.name], bwd_cost=bwd.get(c.name, 0.0)) for c in costs)
             devices = {t.device for t in _tensors(example_inputs)} or {torch.device("cpu")}
             mechanism = machine_checkpoint_costs(next(iter(devices)))
