@@ -214,12 +214,21 @@ def describe(rows) -> str:
 
 
 def allocated_peak(fn, *args) -> int:
-    """Peak of the running sum of the profiler's CPU allocation events during ``fn(*args)``.
+    """Peak of the running sum of the profiler's CPU allocation events during ``fn(*args)``; with a
+    CUDA tensor among ``args``, ``torch.cuda.max_memory_allocated`` above what was allocated before.
 
     Unlike the tracker it sees every allocation (op workspaces, Inductor's own buffers), so it
     is the metric under which Inductor and eager can be compared.
     """
     from torch.profiler import ProfilerActivity, profile
+
+    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn(*args)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args)
@@ -256,10 +265,17 @@ def _measure(variants, x, step, with_grads, repeats) -> dict:
         peaks[label] = (tracked, allocated_peak(step, model, x))
     for _ in range(repeats):
         for label, model, _ in variants:
+            _synchronize(x)
             start = time.perf_counter()
             step(model, x)
+            _synchronize(x)
             times[label].append(time.perf_counter() - start)
     return {label: (*peaks[label], times[label]) for label in peaks}
+
+
+def _synchronize(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
 
 
 def _ratio(times, plain_times) -> float:
@@ -291,13 +307,17 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
     import fxremat
 
     torch.manual_seed(0)
-    base = build()
+    base = build().to(x.device)
     plain = ("plain eager", copy.deepcopy(base), 0.0)
     variants = [plain]
     for budget in fxremat_budgets:
         start = time.perf_counter()
-        variants.append((f"fxremat {budget}", fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,)),
-                         time.perf_counter() - start))
+        try:
+            compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
+        except fxremat.InfeasibleBudgetError as exc:  # (on CUDA the convolutions' workspaces count)
+            print(f"fxremat {budget}: {exc}", flush=True)
+            continue
+        variants.append((f"fxremat {budget}", compiled, time.perf_counter() - start))
     for fraction in fractions:
         replay = CompileBudget(copy.deepcopy(base), fraction, x, step)
         variants.append((f"replay {fraction:g}", replay, replay.compile_seconds))
@@ -366,19 +386,32 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--fxremat-inductor", nargs="*", default=["0.7", "0.5", "0.3", "min"], metavar="BUDGET",
                         help="budgets of torch.compile(fxremat.compile(..., backend='inductor')) rows")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default=None, help="default benchmarks/results (benchmarks/results/cuda with "
+                        "--device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run; on cuda the allocated peak is torch.cuda.max_memory_allocated")
+    parser.add_argument("--batch-scale", type=int, default=1, help="multiply the net's batch (GPU-sized steps)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False here; leave --device at cpu")
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale must be a positive integer, got {args.batch_scale}")
     build, shape = nets[args.net]
+    shape = (shape[0] * args.batch_scale, *shape[1:])
     torch.manual_seed(0)
-    x = torch.randn(*shape)
+    x = torch.randn(*shape, device=args.device)
     budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
                      repeats=args.repeats, inductor_budgets=budgets)
-    text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, CPU)\n\n"
+    gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
+            f"{args.device.upper()})\n\n"
             f"Command: `python -m benchmarks.compile_budget {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
-            "Tracker peak: op outputs under `fxremat.measure_peak` (what the CPU trade-off table reports; it does "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{gpu}\n\n"
+            + ("On CUDA the allocated peak is `torch.cuda.max_memory_allocated` during one step, above what was "
+               "allocated before it (cuDNN / cuBLAS workspaces included).\n\n" if args.device == "cuda" else "")
+            + "Tracker peak: op outputs under `fxremat.measure_peak` (what the CPU trade-off table reports; it does "
             "not see Inductor's buffers). Allocated peak: the running sum of the profiler's CPU allocation events, "
             "op workspaces included, so higher than the tracker's for the same run. Replay: the partitioned graphs "
             "run eagerly (`benchmarks/compile_budget.py`). Step times: medians of interleaved repeats on a shared "
@@ -386,7 +419,8 @@ def main(argv=None) -> int:
             "timed one fraction at a time, interleaved with plain eager; each fxremat + Inductor row is timed "
             "interleaved with plain eager and with plain Inductor compiled again beside it, and its step / plain "
             "Inductor comes from that loop (marked beside).\n\n" + calibration_table(rows) + "\n")
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        "cuda" if args.device == "cuda" else "")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"compile_inductor_{args.net}.md").write_text(text)
     print(text)

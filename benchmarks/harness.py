@@ -92,6 +92,14 @@ class Machine:
     allocator: str
     out: pathlib.Path
     script: str
+    batch_scale: int = 1
+
+    def shape(self, shape) -> tuple:
+        """A net's input ``shape`` with its batch multiplied by ``--batch-scale`` (GPU-sized steps)."""
+        return (shape[0] * self.batch_scale, *shape[1:])
+
+    def synchronize(self) -> None:
+        _synchronize(torch.device(self.device))
 
     def environment(self) -> str:
         """The results' header: command, versions, threads, time, allocator, GPU."""
@@ -99,15 +107,20 @@ class Machine:
                 f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}, "
                 f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}  \n"
                 f"CPU allocator: {self.allocator}"
+                + (f"  \nbatch × {self.batch_scale} (`--batch-scale`)" if self.batch_scale != 1 else "")
                 + (f"  \nGPU: {torch.cuda.get_device_name()}" if self.device == "cuda" else ""))
 
 
 def add_machine_options(parser) -> None:
-    """``--out``, ``--device``, ``--threads`` and ``--system-malloc``, shared by the scripts."""
+    """``--out``, ``--device``, ``--batch-scale``, ``--threads`` and ``--system-malloc``, shared by the
+    scripts."""
     parser.add_argument("--out", default=None,
                         help="default benchmarks/results (benchmarks/results/cuda with --device cuda)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run; on cuda peaks come from torch.cuda.max_memory_allocated")
+    parser.add_argument("--batch-scale", type=int, default=1,
+                        help="multiply each net's batch (the nets are sized for a CPU: on a GPU their steps are "
+                             "a few kernel launches each; 8 to 32 gives GPU-sized steps)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared 2-core machine a thread stalled by "
                              "another process stalls every parallel op)")
@@ -128,7 +141,9 @@ def set_up_machine(parser, args, script: str) -> Machine:
     allocator = "system malloc" if args.system_malloc else caching_heap()
     torch.set_num_threads(args.threads)
     out.mkdir(parents=True, exist_ok=True)
-    return Machine(device=args.device, allocator=allocator, out=out, script=script)
+    if args.batch_scale < 1:
+        parser.error(f"--batch-scale must be a positive integer, got {args.batch_scale}")
+    return Machine(device=args.device, allocator=allocator, out=out, script=script, batch_scale=args.batch_scale)
 
 
 def plot(rows, path, styles) -> bool:

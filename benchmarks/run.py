@@ -221,22 +221,31 @@ def main(argv=None) -> int:
         # --quick sweeps torch.compile's budget over fewer fractions: each one compiles again
         fractions = compile_budget.FRACTIONS if args.full else QUICK_FRACTIONS
         load_before = load_average()
+        memory = ("Memory columns are exact (live-storage tracker)." if machine.device == "cpu" else
+                  "Measured peaks are `torch.cuda.max_memory_allocated` during a step above what was allocated "
+                  "before it (cuDNN and cuBLAS workspaces included; the plan's prediction counts tensors only).")
+
+        def write(all_rows, rockmate) -> str:
+            noise = (f"{memory} Step times are medians of {repeats} interleaved "
+                     f"repeats, each right after an untimed step of the same variant (`timed_step`), on a shared "
+                     f"machine, load average {load_before} before and {load_average()} after this section on "
+                     f"{os.cpu_count()} cores: noisy (two runs of one comparison differed by up to 15% here), compare "
+                     f"ratios within one net only.")
+            text = (f"# Real steps on {machine.device.upper()}\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
+                    f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
+                    f"{rockmate_table(rockmate) if rockmate else 'not run yet'}\n")
+            (out / "cpu_tradeoff.md").write_text(text)  # after each net, so a run cut short keeps its rows
+            return text
+
         all_rows = []
         for name, build, shape, chain in cpu_nets(args.full):
-            rows = cpu_rows(name, build, shape, chain, budgets, repeats, fractions, machine.device)
+            rows = cpu_rows(name, build, machine.shape(shape), chain, budgets, repeats, fractions, machine.device)
             plot(rows, out / f"cpu_tradeoff_{name}.png", TRADEOFF_STYLES)
             all_rows += rows
-        noise = (f"Memory columns are exact (live-storage tracker). Step times are medians of {repeats} interleaved "
-                 f"repeats, each right after an untimed step of the same variant (`timed_step`), on a shared "
-                 f"machine, load average {load_before} before and {load_average()} after this section on {os.cpu_count()} "
-                 f"cores: noisy (two runs of one comparison differed by up to 15% here), compare ratios within one "
-                 f"net only.")
+            print(cpu_table(rows), flush=True)
+            write(all_rows, None)
         rockmate = rockmate_rows(args.rockmate_python, timeout_s=args.rockmate_timeout or (1800 if args.full else 120))
-        text = (f"# Real steps on {machine.device.upper()}\n\n{env}\n\n{noise}\n\n{cpu_table(all_rows)}\n\n"
-                f"{compile_budget.describe(all_rows)}\n## Rockmate (optional; `--rockmate-python`)\n\n"
-                f"{rockmate_table(rockmate)}\n")
-        (out / "cpu_tradeoff.md").write_text(text)
-        print(text)
+        print(write(all_rows, rockmate))
     return 0
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 
 import fxremat
+from fxremat.passes import profile
 from fxremat.runtime import recompute
 
 from .harness import add_machine_options, load_average, set_up_machine, step, timed_step, with_grads
@@ -74,6 +75,11 @@ def without_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _synchronize(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+
+
 def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int) -> float:
     """Seconds the forwards of the top-level recomputed segments take when run alone on the
     inputs a step gives them (median over ``repeats`` of their sum)."""
@@ -93,19 +99,21 @@ def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int
     states = [{k: v.clone() for k, v in seg.state_dict().items()} for seg, _ in calls]
     totals = []
     for _ in range(repeats):
+        _synchronize(x)
         start = time.perf_counter()
         for seg, inputs in calls:
             seg(*inputs)
+        _synchronize(x)
         totals.append(time.perf_counter() - start)
     for (seg, _), state in zip(calls, states):  # the timing runs updated BatchNorm statistics
         seg.load_state_dict(state)
     return statistics.median(totals)
 
 
-def measure(name, build, shape, budget, repeats: int) -> dict:
+def measure(name, build, shape, budget, repeats: int, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = build().train()
-    x = torch.randn(*shape)
+    model = build().train().to(device)
+    x = torch.randn(*shape, device=device)
     plain = with_grads(copy.deepcopy(model))
     none = with_grads(fxremat.compile(copy.deepcopy(model), 1.0, example_inputs=(x,)))
     compiled = with_grads(fxremat.compile(copy.deepcopy(model), budget, example_inputs=(x,)))
@@ -119,7 +127,11 @@ def measure(name, build, shape, budget, repeats: int) -> dict:
     rec = recomputed_forward_seconds(compiled.graph_module, x, repeats)
     plan = compiled.plan
     p = t["plain"]
+    costs = next(iter(compiled._remat.timed.values()))  # the profile the plan was made from
+    predicted_forward = sum(s.recompute_cost for s in plan.segments if s.recomputed) / costs.step_cost
     return {
+        "predicted_forward": predicted_forward, "predicted_mechanism": plan.predicted_overhead - predicted_forward,
+        "per_node": sum(c.fwd_cost + c.bwd_cost for c in costs.nodes) / costs.step_cost,
         "net": name, "budget": budget, "plain_ms": 1e3 * p, "predicted": plan.predicted_overhead,
         "measured": t["compiled"] / p - 1, "none": t["none"] / p - 1,
         "structure": (t["segmented"] - t["none"]) / p, "recompute": rec / p,
@@ -135,12 +147,12 @@ COLOSSAL = "Colossal-AI rotor"  # a peer row where Colossal-AI imports (benchmar
 SAME_MEMORY = 1.01  # "no more memory": a measured peak within 1% of auto's
 
 
-def strategies(name, build, shape, budget, repeats: int) -> list[dict]:
+def strategies(name, build, shape, budget, repeats: int, device: str = "cpu") -> list[dict]:
     """Every strategy's plan at ``budget`` (and ``auto``, and ``auto`` with ``autotune=True``),
     trained side by side with the plain model: measured peak and step time of each."""
     torch.manual_seed(0)
-    model = build().train()
-    x = torch.randn(*shape)
+    model = build().train().to(device)
+    x = torch.randn(*shape, device=device)
     plain = with_grads(copy.deepcopy(model))
     variants = {}
     for label in ("auto", "auto+autotune") + PEERS:
@@ -150,7 +162,7 @@ def strategies(name, build, shape, budget, repeats: int) -> list[dict]:
                                                          strategy=strategy, autotune=tune))
         except (fxremat.InfeasibleBudgetError, ValueError) as exc:
             print(f"  {name} {budget} {label}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-    if "auto" in variants and colossal.installed():
+    if "auto" in variants and colossal.installed() and device == "cpu":
         budget_bytes = variants["auto"].plan.budget_bytes
         try:
             variants[COLOSSAL] = with_grads(colossal.rotor_module(copy.deepcopy(model), x, budget_bytes))
@@ -195,12 +207,14 @@ def _strategy_table(rows) -> str:
 
 def _table(rows) -> str:
     lines = ["| net | budget | strategy | recomputed segs | plain ms | predicted | measured | nothing recomputed "
-             "(none) | segment structure | recomputed forward | checkpoint mechanism |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(none) | segment structure | recomputed forward: predicted / measured | checkpoint mechanism: "
+             "predicted / measured | profiled nodes / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['net']} | {r['budget']} | {r['strategy']} | {r['segments']} | {r['plain_ms']:.1f} "
                      f"| {r['predicted']:+.1%} | {r['measured']:+.1%} | {r['none']:+.1%} | {r['structure']:+.1%} "
-                     f"| {r['recompute']:+.1%} | {r['mechanism']:+.1%} |")
+                     f"| {r['predicted_forward']:+.1%} / {r['recompute']:+.1%} "
+                     f"| {r['predicted_mechanism']:+.1%} / {r['mechanism']:+.1%} | {r['per_node']:.2f} |")
     return "\n".join(lines)
 
 
@@ -219,22 +233,36 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="budget 0.4 only, 5 repeats")
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--budgets", nargs="+", metavar="BUDGET",
+                        help=f"fractions of the plain peak or min (default {' '.join(map(str, BUDGETS))}; "
+                             "0.4 with --quick)")
     add_machine_options(parser)
     args = parser.parse_args(argv)
     machine = set_up_machine(parser, args, "benchmarks.time_truth")
-    budgets = (0.4,) if args.quick else BUDGETS
+    budgets = (tuple(b if b == "min" else float(b) for b in args.budgets) if args.budgets
+               else (0.4,) if args.quick else BUDGETS)
+    mechanism = profile.machine_checkpoint_costs(torch.device(machine.device))
+    print(f"checkpoint mechanism: {mechanism}", flush=True)
     repeats = 5 if args.quick else args.repeats
     rows, peer_rows = [], []
     for name, build, shape in _nets():
+        shape = machine.shape(shape)
         for budget in budgets:
-            row = measure(name, build, shape, budget, repeats)
+            try:
+                row = measure(name, build, shape, budget, repeats, machine.device)
+            except fxremat.InfeasibleBudgetError as exc:
+                print(f"{name} {budget}: {exc}", flush=True)
+                continue
             print(_table([row]).splitlines()[-1], flush=True)
             rows.append(row)
-            found = strategies(name, build, shape, budget, repeats)
+            found = strategies(name, build, shape, budget, repeats, machine.device)
             print("\n".join(_strategy_table(found).splitlines()[2:]), flush=True)
             peer_rows += found
     text = (f"# Time truth: predicted vs measured overhead, and where the time goes\n\n{machine.environment()}  \n"
-            f"load average at the end: {load_average()}\n\n"
+            f"load average at the end: {load_average()}  \n"
+            f"checkpoint mechanism fitted on this machine: {mechanism.per_checkpoint * 1e3:.1f} µs a checkpoint, "
+            f"{mechanism.per_saved_tensor * 1e3:.1f} µs a saved tensor, "
+            f"{mechanism.per_saved_mib * 1e3:.2f} µs a saved MiB\n\n"
             f"Fractions of the plain step (medians of {repeats} interleaved steps; see the script's docstring for "
             f"the variants).\n\n{_table(rows)}\n\n"
             f"## Every strategy at each budget\n\nEach strategy's own plan (`strategy=`), `auto`, and `auto` with "
