@@ -41,13 +41,14 @@ import pathlib
 import statistics
 import sys
 import time
+import types
 
 import torch
 from torch import nn
 
 from fxremat.measure import LiveStorageTracker
 
-from .harness import ROOT, load_average, step, with_grads
+from .harness import ROOT, caching_heap, load_average, step, timed_step, with_grads
 from .nets import cpu_nets
 
 __all__ = ["FRACTIONS", "CompileBudget", "variants", "describe", "allocated_peak", "calibrate"]
@@ -240,12 +241,26 @@ def allocated_peak(fn, *args) -> int:
     return peak
 
 
-def _inductor(model: nn.Module, fraction: float, x: torch.Tensor, step, reset: bool = True) -> tuple[nn.Module, float]:
-    """``torch.compile(model)`` (Inductor) compiled at ``fraction``, caches off so it really is
-    (``reset=False``: beside what is compiled already)."""
-    if reset:
-        torch._dynamo.reset()
-    compiled = torch.compile(model)
+def _own_code(model: nn.Module, tag: str) -> nn.Module:
+    """``model`` made an instance of a subclass whose ``forward`` has a code object of its own.
+    Dynamo caches compiled graphs per code object: two copies of one class compiled at two
+    budgets would otherwise share the first one's graph, so they could not be compiled side by
+    side and timed in one loop."""
+    cls = type(model)
+    code = cls.forward.__code__
+    renamed = {"co_name": f"{code.co_name}_{tag}"}
+    if hasattr(code, "co_qualname"):
+        renamed["co_qualname"] = f"{code.co_qualname}_{tag}"
+    forward = types.FunctionType(code.replace(**renamed), cls.forward.__globals__, renamed["co_name"],
+                                 cls.forward.__defaults__, cls.forward.__closure__)
+    model.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+    return model
+
+
+def _inductor(model: nn.Module, fraction: float, x: torch.Tensor, step) -> tuple[nn.Module, float]:
+    """``torch.compile(model)`` (Inductor) compiled at ``fraction`` on its first step, caches off
+    so it really is; beside what is compiled already (its forward gets a code object of its own)."""
+    compiled = torch.compile(_own_code(model, f"budget_{fraction:g}".replace(".", "_")))
     start = time.perf_counter()
     with torch._functorch.config.patch(activation_memory_budget=fraction, enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
@@ -265,17 +280,8 @@ def _measure(variants, x, step, with_grads, repeats) -> dict:
         peaks[label] = (tracked, allocated_peak(step, model, x))
     for _ in range(repeats):
         for label, model, _ in variants:
-            _synchronize(x)
-            start = time.perf_counter()
-            step(model, x)
-            _synchronize(x)
-            times[label].append(time.perf_counter() - start)
+            times[label].append(timed_step(model, x, step))
     return {label: (*peaks[label], times[label]) for label in peaks}
-
-
-def _synchronize(x: torch.Tensor) -> None:
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
 
 
 def _ratio(times, plain_times) -> float:
@@ -284,10 +290,10 @@ def _ratio(times, plain_times) -> float:
 
 def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step) -> tuple[nn.Module, float]:
     """``fxremat.compile(model, budget, backend="inductor")``, planned with the compiled cost model
-    and compiled by Inductor on its first step (caches off)."""
+    and compiled by Inductor on its first step (caches off; its emitted GraphModule's code is its
+    own, so it compiles beside the others)."""
     import fxremat
 
-    torch._dynamo.reset()
     start = time.perf_counter()
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
@@ -298,11 +304,14 @@ def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step) -> tuple[
 
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
               inductor_budgets=()):
-    """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s)``.
+    """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
+    Inductor])``.
 
-    Plain eager, fxremat and the replays are timed in one interleaved loop. Inductor is compiled
-    and measured one fraction at a time (dynamo's cache is per code object, so two compiled
-    copies of one model class would share a graph), each timed interleaved with plain eager.
+    Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
+    variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside
+    the others (each with code objects of its own: :func:`_own_code`) and all are timed in a second
+    loop with plain eager, so each one's step over plain Inductor (the fraction 1.0 row) comes from
+    one loop.
     """
     import fxremat
 
@@ -324,39 +333,39 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
     measured = _measure(variants, x, step, with_grads, repeats)
     rows = [(label, tracked, allocated, _ratio(times, measured["plain eager"][2]), seconds)
             for (label, _, seconds), (tracked, allocated, times) in zip(variants, measured.values())]
-    for fraction in fractions:
+    torch._dynamo.reset()
+    compiled = []
+    for fraction in sorted(set(fractions) | {1.0}, reverse=True):
         model, seconds = _inductor(copy.deepcopy(base), fraction, x, step)
-        label = f"torch.compile (Inductor) {fraction:g}"
-        pair = _measure([plain, (label, model, seconds)], x, step, with_grads, repeats)
-        rows.append((label, None, pair[label][1], _ratio(pair[label][2], pair["plain eager"][2]), seconds))
-        torch._dynamo.reset()
+        compiled.append((f"{INDUCTOR} {fraction:g}", model, seconds))
+    infeasible = []
     for budget in inductor_budgets:
         try:
             model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step)
         except fxremat.InfeasibleBudgetError as exc:
-            rows.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
-                         f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
-            torch._dynamo.reset()
+            infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
+                               f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
             continue
         label = f"torch.compile(fxremat {budget}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} MiB)"
-        # plain Inductor compiled again beside it (other code objects: no shared graph), so the
-        # ratio to it comes from one interleaved loop, not from runs minutes apart
-        reference, _ = _inductor(copy.deepcopy(base), 1.0, x, step, reset=False)
-        trio = _measure([plain, (BESIDE, reference, 0.0), (label, model, seconds)], x, step, with_grads, repeats)
-        rows.append((label, None, trio[label][1], _ratio(trio[label][2], trio["plain eager"][2]), seconds,
-                     _ratio(trio[label][2], trio[BESIDE][2])))
-        torch._dynamo.reset()
-    return rows
+        compiled.append((label, model, seconds))
+    together = _measure([plain, *compiled], x, step, with_grads, repeats)
+    inductor_times = together[f"{INDUCTOR} 1"][2]
+    for label, _, seconds in compiled:
+        _, allocated, times = together[label]
+        rows.append((label, None, allocated, _ratio(times, together["plain eager"][2]), seconds,
+                     _ratio(times, inductor_times)))
+    return rows + infeasible
 
 
-BESIDE = "torch.compile (Inductor) 1, timed beside"
+INDUCTOR = "torch.compile (Inductor)"
+
+
 
 
 def calibration_table(rows) -> str:
-    """Rows of :func:`calibrate`; a sixth field is the step over plain Inductor's timed in the same
-    loop (fxremat + Inductor rows), else it is taken against the ``torch.compile (Inductor) 1`` row."""
+    """Rows of :func:`calibrate`: the compiled ones (with a sixth field) are timed in one loop with
+    plain Inductor (the ``torch.compile (Inductor) 1`` row), the eager ones in another."""
     tracked_plain, allocated_plain = rows[0][1], rows[0][2]
-    inductor = next((r[3] for r in rows if r[0] == "torch.compile (Inductor) 1"), None)
     lines = ["| variant | tracker peak MiB (vs plain) | allocated peak MiB (vs plain) | step / plain eager | "
              "step / plain Inductor | compile s |", "|---|---|---|---|---|---|"]
     for label, tracked, allocated, ratio, seconds, *beside in rows:
@@ -366,7 +375,7 @@ def calibration_table(rows) -> str:
         tracked_text = (f"{tracked / MIB:.1f} ({100 * (tracked / tracked_plain - 1):+.0f}%)" if tracked is not None
                         else "not visible")
         allocated_text = f"{allocated / MIB:.1f} ({100 * (allocated / allocated_plain - 1):+.0f}%)"
-        vs_inductor = (f"{beside[0]:.2f} (beside)" if beside else f"{ratio / inductor:.2f}" if inductor else "—")
+        vs_inductor = f"{beside[0]:.2f}" if beside else "—"
         lines.append(f"| {label} | {tracked_text} | {allocated_text} | {ratio:.2f} | {vs_inductor} | {seconds:.1f} |")
     return "\n".join(lines)
 
@@ -392,6 +401,7 @@ def main(argv=None) -> int:
                         help="where the steps run; on cuda the allocated peak is torch.cuda.max_memory_allocated")
     parser.add_argument("--batch-scale", type=int, default=1, help="multiply the net's batch (GPU-sized steps)")
     args = parser.parse_args(argv)
+    allocator = caching_heap()  # steps timed right after another variant's would follow its heap otherwise
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here; leave --device at cpu")
     if args.batch_scale < 1:
@@ -408,17 +418,19 @@ def main(argv=None) -> int:
             f"{args.device.upper()})\n\n"
             f"Command: `python -m benchmarks.compile_budget {' '.join(sys.argv[1:])}`  \n"
             f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{gpu}\n\n"
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}{gpu}  \nCPU allocator: {allocator}\n\n"
             + ("On CUDA the allocated peak is `torch.cuda.max_memory_allocated` during one step, above what was "
                "allocated before it (cuDNN / cuBLAS workspaces included).\n\n" if args.device == "cuda" else "")
             + "Tracker peak: op outputs under `fxremat.measure_peak` (what the CPU trade-off table reports; it does "
             "not see Inductor's buffers). Allocated peak: the running sum of the profiler's CPU allocation events, "
             "op workspaces included, so higher than the tracker's for the same run. Replay: the partitioned graphs "
-            "run eagerly (`benchmarks/compile_budget.py`). Step times: medians of interleaved repeats on a shared "
-            f"machine, noisy (load average {load_average()} at the end). Inductor is compiled and "
-            "timed one fraction at a time, interleaved with plain eager; each fxremat + Inductor row is timed "
-            "interleaved with plain eager and with plain Inductor compiled again beside it, and its step / plain "
-            "Inductor comes from that loop (marked beside).\n\n" + calibration_table(rows) + "\n")
+            "run eagerly (`benchmarks/compile_budget.py`). Step times: medians of interleaved repeats, each "
+            "timed right after an untimed step of the same variant (`harness.timed_step`), on a shared "
+            f"machine, noisy (load average {load_average()} at the end). The eager rows are timed in one "
+            "interleaved loop; every compiled row (torch.compile at each fraction, fxremat + Inductor at each "
+            "budget, each compiled with code objects of its own so that Dynamo keeps their graphs apart) in a "
+            "second one with plain eager, so step / plain Inductor compares rows of one loop.\n\n"
+            + calibration_table(rows) + "\n")
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
         "cuda" if args.device == "cuda" else "")
     out.mkdir(parents=True, exist_ok=True)
