@@ -1,13 +1,17 @@
 """Odd graph shapes compile exactly: several inputs, kwargs, tuple/dict outputs, shared
 submodules, in-place ops at segment boundaries, untraceable submodules."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxremat
 from _models import assert_same_state, pair
+from fxremat.passes.trace import writes_in_place
 
 
 def _block(c):
@@ -80,6 +84,62 @@ def test_inplace_ops_at_every_boundary():
         return sum(s.recomputed + checkpoints(s.inner) for s in segments)
 
     assert checkpoints(compiled.plan.segments) >= 3
+    for m in (plain, compiled):
+        m(x).sum().backward()
+    assert_same_state(plain, compiled)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(model, x) -> list[str]:
+    with _Ops() as ops:
+        model(x).sum().backward()
+    return sorted(ops.names)
+
+
+class InPlaceResidual(Residual):
+    """Residual with ``out.add_(identity)``: torch.fx records ``out += identity`` on a proxy as
+    ``out + identity`` (a proxy has no ``__iadd__``), a method call it records as written."""
+
+    def forward(self, x):
+        out = self.relu(self.stem(x))
+        for block in self.blocks:
+            identity = out
+            out = self.relu(block(out).add_(identity))
+        return F.adaptive_avg_pool2d(out, 1).flatten(1)
+
+
+def test_inplace_ops_stay_in_place_and_their_writes_are_not_split():
+    """``ReLU(inplace=True)`` and ``add_`` run in place in the emitted code, as in the model (no
+    extra buffer, no extra kernel): a step with nothing recomputed runs the plain step's aten ops,
+    in-place ones included; with recomputation, no segment boundary separates a value from the
+    op that writes it."""
+    torch.manual_seed(0)
+    plain, model = pair(InPlaceResidual())
+    x = torch.randn(2, 3, 16, 16)
+    nothing = fxremat.compile(model, 1.0, example_inputs=(x,), cost_model="uniform")
+    plain_ops = _step_ops(plain, x)
+    assert plain_ops.count("aten.relu_") == 9 and plain_ops.count("aten.add_") >= 4
+    assert _step_ops(nothing, x) == plain_ops
+    assert_same_state(plain, nothing)
+    compiled = fxremat.compile(copy.deepcopy(plain), "min", example_inputs=(x,), cost_model="uniform",
+                               strategy="exact")  # flat segments: every boundary is a top-level one
+    assert sum(s.recomputed for s in compiled.plan.segments) >= 2
+    segment_of = {n: i for i, s in enumerate(compiled.plan.segments) for n in s.nodes}
+    gm = compiled._remat.traced
+    writes = [n for n in gm.graph.nodes if n.name in segment_of and writes_in_place(gm, n)]
+    assert len(writes) == 13  # the stem's ReLU; per block its inner ReLU, add_ and ReLU
+    for n in writes:
+        assert segment_of[n.args[0].name] == segment_of[n.name], n.name
+    plain.zero_grad(set_to_none=True)  # (deepcopy left the copy's .grad unset)
     for m in (plain, compiled):
         m(x).sum().backward()
     assert_same_state(plain, compiled)

@@ -4,9 +4,10 @@
 - A submodule that torch.fx cannot trace (data-dependent control flow) is traced as a leaf
   automatically, with a warning naming it; a failure in the top-level ``forward`` raises
   :class:`fxremat.TraceError`.
-- In-place ops (``ReLU(inplace=True)``, ``x += y``, ``x.relu_()``) are rewritten out of place
-  when no later node reads the mutated value, so that a recomputed segment never mutates a
-  value that another segment keeps.
+- In-place ops (``ReLU(inplace=True)``, ``x += y``, ``x.relu_()``) stay in place, as the model
+  wrote them (:func:`writes_in_place` finds them): lowering ties the value they write and every
+  node holding it into one group that no segment boundary splits, so a recomputed segment never
+  writes a value that another segment keeps.
 - Calls made under ``torch.no_grad()`` / ``torch.inference_mode()`` inside a ``forward`` (which
   torch.fx does not record) run under that mode again: the tracer notes the grad mode of every
   call node it creates, and such nodes call a :class:`ModeCall` wrapper with
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import inspect
 import itertools
 import linecache
@@ -48,7 +48,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "normalize_inplace", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -71,11 +71,9 @@ _INPLACE_METHODS = frozenset({
     "add_", "sub_", "mul_", "div_", "relu_", "sigmoid_", "tanh_", "clamp_", "clamp_min_",
     "clamp_max_", "neg_", "exp_", "sqrt_", "pow_", "masked_fill_", "hardtanh_", "abs_",
 })
-_INPLACE_FUNCTIONS = {torch.relu_: torch.relu, torch.sigmoid_: torch.sigmoid, torch.tanh_: torch.tanh}
-_INPLACE_OPERATORS = {
-    operator.iadd: operator.add, operator.isub: operator.sub, operator.imul: operator.mul,
-    operator.itruediv: operator.truediv, operator.iand: operator.and_, operator.ior: operator.or_,
-}
+_INPLACE_FUNCTIONS = frozenset({torch.relu_, torch.sigmoid_, torch.tanh_})
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                                operator.ior})
 
 
 class _LeafTracer(fx.Tracer):
@@ -553,7 +551,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             names = names | {failing}
             continue
         name = type(model).__name__
-        return restore_modes(normalize_inplace(fx.GraphModule(tracer.root, graph, name)))
+        return restore_modes(fx.GraphModule(tracer.root, graph, name))
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
 
 
@@ -614,7 +612,8 @@ def _untraceable_message(model: torch.nn.Module, failing: str, exc: Exception) -
 
 
 def _mutated_input(gm: fx.GraphModule, node: fx.Node):
-    """If ``node`` is an in-place op, return (its out-of-place rewrite kind, mutated arg node)."""
+    """If ``node`` is an in-place op, return (how it is written: module, operator, function, kwarg or
+    method; the mutated arg node)."""
     if node.op == "call_module":
         mod = gm.get_submodule(node.target)
         if getattr(mod, "inplace", False) is True and node.args and isinstance(node.args[0], fx.Node):
@@ -640,75 +639,6 @@ def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return True
     return _mutated_input(gm, node) is not None
-
-
-def _read_after(node: fx.Node, value: fx.Node) -> bool:
-    """Whether some user of ``value`` other than ``node`` comes after ``node`` in the graph."""
-    later = set()
-    cur = node.next
-    while cur.op != "root":
-        later.add(cur)
-        cur = cur.next
-    return any(u in later for u in value.users if u is not node)
-
-
-_VIEW_METHODS = frozenset({"view", "view_as", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "select",
-                           "narrow", "t", "transpose", "permute", "expand", "expand_as", "as_strided",
-                           "diagonal", "detach", "__getitem__", "unbind", "split", "chunk", "movedim"})
-_VIEW_FUNCTIONS = frozenset({operator.getitem, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze,
-                             torch.select, torch.narrow, torch.t, torch.transpose, torch.permute, torch.detach,
-                             torch.unbind, torch.split, torch.chunk, torch.movedim, torch.diagonal})
-
-
-def _writes_state(gm: fx.GraphModule, value: fx.Node) -> bool:
-    """Whether writing ``value`` in place writes a graph input or a module attribute (a buffer):
-    ``value`` is one, or a view of one, or the result of an in-place op on one
-    (``self.running_mean.mul_(0.9).add_(x)``)."""
-    seen = set()
-    while isinstance(value, fx.Node) and value not in seen:
-        seen.add(value)
-        if value.op in ("placeholder", "get_attr"):
-            return True
-        found = _mutated_input(gm, value)
-        if found is not None:
-            value = found[1]
-        elif (value.op == "call_method" and value.target in _VIEW_METHODS) or (
-            value.op == "call_function" and value.target in _VIEW_FUNCTIONS
-        ):
-            value = value.args[0] if value.args else None
-        else:
-            return False
-    return False
-
-
-def normalize_inplace(gm: fx.GraphModule) -> fx.GraphModule:
-    """Return a copy of ``gm`` with in-place ops made out of place where that is safe."""
-    gm = fx.GraphModule(gm, copy.deepcopy(gm.graph), gm.__class__.__name__)
-    for node in list(gm.graph.nodes):
-        found = _mutated_input(gm, node)
-        if found is None:
-            continue
-        kind, value = found
-        if _writes_state(gm, value) or _read_after(node, value):
-            log.debug("fxremat: keeping in-place %s (its input is read later)", node.name)
-            continue
-        if kind == "module":
-            mod = copy.copy(gm.get_submodule(node.target))
-            mod.inplace = False
-            new_target = node.target.replace(".", "_") + "_outofplace"
-            gm.add_submodule(new_target, mod)
-            node.target = new_target
-        elif kind == "operator":
-            node.target = _INPLACE_OPERATORS[node.target]
-        elif kind == "function":
-            node.target = _INPLACE_FUNCTIONS[node.target]
-        elif kind == "kwarg":
-            node.kwargs = {**node.kwargs, "inplace": False}
-        else:
-            node.target = node.target[:-1]
-    gm.graph.lint()
-    gm.recompile()
-    return gm
 
 
 class ModeCall(torch.nn.Module):
