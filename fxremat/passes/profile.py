@@ -596,8 +596,8 @@ def machine_checkpoint_costs(device: torch.device) -> CheckpointCosts:
 def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts:
     """The checkpoint mechanism's costs on ``device`` (:class:`CheckpointCosts`), fitted by least
     squares on chains of 4 and 32 ops that save one tensor each (``tanh``) or five
-    (``layer_norm``), on 1 KiB and 1 MiB tensors (and 16 MiB off the CPU): each chain's checkpointed step less its plain
-    step and its forward. Every cost is at least 0 (a term the fit makes negative is left out and
+    (``layer_norm``), on 1 KiB and 1 MiB tensors (and 16 MiB off the CPU): each chain's
+    checkpointed step less its plain step and its forward. Every cost is at least 0 (a term the fit makes negative is left out and
     the rest fitted again)."""
     from torch.utils.checkpoint import checkpoint
 

@@ -4,10 +4,11 @@
 - A submodule that torch.fx cannot trace (data-dependent control flow) is traced as a leaf
   automatically, with a warning naming it; a failure in the top-level ``forward`` raises
   :class:`fxremat.TraceError`.
-- In-place ops (``ReLU(inplace=True)``, ``x += y``, ``x.relu_()``) stay in place, as the model
+- In-place ops (``ReLU(inplace=True)``, ``x.add_(y)``, ``x.relu_()``) stay in place, as the model
   wrote them (:func:`writes_in_place` finds them): lowering ties the value they write and every
   node holding it into one group that no segment boundary splits, so a recomputed segment never
-  writes a value that another segment keeps.
+  writes a value that another segment keeps. (torch.fx records ``x += y`` on a traced tensor as
+  ``x + y``: a proxy has no ``__iadd__``.)
 - Calls made under ``torch.no_grad()`` / ``torch.inference_mode()`` inside a ``forward`` (which
   torch.fx does not record) run under that mode again: the tracer notes the grad mode of every
   call node it creates, and such nodes call a :class:`ModeCall` wrapper with
