@@ -46,7 +46,7 @@ import types
 import torch
 from torch import nn
 
-from fxremat.measure import LiveStorageTracker
+from fxremat.measure import AllocatorPeak, LiveStorageTracker
 
 from .harness import ROOT, caching_heap, load_average, step, timed_step, with_grads
 from .nets import cpu_nets
@@ -223,13 +223,11 @@ def allocated_peak(fn, *args) -> int:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        fn(*args)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
+    cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    if cuda is not None:
+        with AllocatorPeak(cuda) as allocator:
+            fn(*args)
+        return allocator.peak_bytes
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn(*args)

@@ -43,7 +43,7 @@ def step(model, x):
     return out
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -53,10 +53,10 @@ def timed_step(model, x, step_fn=step) -> float:
     and on CPU a step timed right after another variant's runs on the heap that variant left
     (freed or kept pages): measured here, that biased ratios by up to ±10% either way."""
     step_fn(model, x)
-    _synchronize(x.device)
+    synchronize(x.device)
     start = time.perf_counter()
     step_fn(model, x)
-    _synchronize(x.device)
+    synchronize(x.device)
     return time.perf_counter() - start
 
 
@@ -97,9 +97,6 @@ class Machine:
     def shape(self, shape) -> tuple:
         """A net's input ``shape`` with its batch multiplied by ``--batch-scale`` (GPU-sized steps)."""
         return (shape[0] * self.batch_scale, *shape[1:])
-
-    def synchronize(self) -> None:
-        _synchronize(torch.device(self.device))
 
     def environment(self) -> str:
         """The results' header: command, versions, threads, time, allocator, GPU."""

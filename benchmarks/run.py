@@ -223,7 +223,7 @@ def main(argv=None) -> int:
         load_before = load_average()
         memory = ("Memory columns are exact (live-storage tracker)." if machine.device == "cpu" else
                   "Measured peaks are `torch.cuda.max_memory_allocated` during a step above what was allocated "
-                  "before it (cuDNN and cuBLAS workspaces included; the plan's prediction counts tensors only).")
+                  "before it (cuDNN and cuBLAS workspaces included; the plan counts them: `AllocatorPeak`).")
 
         def write(all_rows, rockmate) -> str:
             noise = (f"{memory} Step times are medians of {repeats} interleaved "

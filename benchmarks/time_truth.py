@@ -41,7 +41,7 @@ import fxremat
 from fxremat.passes import profile
 from fxremat.runtime import recompute
 
-from .harness import add_machine_options, load_average, set_up_machine, step, timed_step, with_grads
+from .harness import add_machine_options, load_average, set_up_machine, step, synchronize, timed_step, with_grads
 from .nets import resnet_chain, transformer_stack
 from .peers import colossal
 
@@ -75,11 +75,6 @@ def without_checkpoints(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def _synchronize(x: torch.Tensor) -> None:
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-
-
 def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int) -> float:
     """Seconds the forwards of the top-level recomputed segments take when run alone on the
     inputs a step gives them (median over ``repeats`` of their sum)."""
@@ -99,11 +94,11 @@ def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int
     states = [{k: v.clone() for k, v in seg.state_dict().items()} for seg, _ in calls]
     totals = []
     for _ in range(repeats):
-        _synchronize(x)
+        synchronize(x.device)
         start = time.perf_counter()
         for seg, inputs in calls:
             seg(*inputs)
-        _synchronize(x)
+        synchronize(x.device)
         totals.append(time.perf_counter() - start)
     for (seg, _), state in zip(calls, states):  # the timing runs updated BatchNorm statistics
         seg.load_state_dict(state)

@@ -130,17 +130,11 @@ def measure_peak(fn, *args, **kwargs):
     8192
     """
     use_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if use_cuda:
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+    allocator = AllocatorPeak(torch.device("cuda", torch.cuda.current_device()) if use_cuda else None)
     tracker = LiveStorageTracker()
-    with tracker:
+    with allocator, tracker:
         result = fn(*args, **kwargs)
-    if use_cuda and tracker.saw_cuda:
-        torch.cuda.synchronize()
-        return result, torch.cuda.max_memory_allocated() - start
-    return result, tracker.peak_bytes
+    return result, allocator.peak_bytes if use_cuda and tracker.saw_cuda else tracker.peak_bytes
 
 
 def default_loss(out) -> torch.Tensor:

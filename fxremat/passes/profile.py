@@ -224,7 +224,7 @@ def _is_fake(values) -> bool:
 class _ProfilingInterpreter(fx.Interpreter):
     """Runs the graph once, recording storage ownership and saved tensors per call node."""
 
-    def __init__(self, gm: fx.GraphModule, cost_model: str, repeats: int):
+    def __init__(self, gm: fx.GraphModule, cost_model: str, repeats: int, allocator_device: torch.device | None):
         # Values stay alive during profiling so that storage keys are never reused.
         super().__init__(gm, garbage_collect_values=False)
         self.cost_model = cost_model
@@ -245,8 +245,8 @@ class _ProfilingInterpreter(fx.Interpreter):
         # writes running statistics without bumping their version counters).
         self.buffer_writes = StateWrites(self.buffers)
         # On CUDA the allocator also sees the workspaces ops take (cuDNN, cuBLAS), which are not
-        # tensors: each node's transients are the larger of the two accounts (profile() sets it).
-        self.allocator_device: torch.device | None = None
+        # tensors: each node's transients are the larger of the two accounts.
+        self.allocator_device = allocator_device
 
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
@@ -597,8 +597,8 @@ def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts
     """The checkpoint mechanism's costs on ``device`` (:class:`CheckpointCosts`), fitted by least
     squares on chains of 4 and 32 ops that save one tensor each (``tanh``) or five
     (``layer_norm``), on 1 KiB and 1 MiB tensors (and 16 MiB off the CPU): each chain's
-    checkpointed step less its plain step and its forward. Every cost is at least 0 (a term the fit makes negative is left out and
-    the rest fitted again)."""
+    checkpointed step less its plain step and its forward. Every cost is at least 0 (a term the
+    fit makes negative is left out and the rest fitted again)."""
     from torch.utils.checkpoint import checkpoint
 
     def median_ms(fn) -> float:
@@ -769,8 +769,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
     """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring)."""
     cost_model = resolve_cost_model(cost_model, example_inputs, gm)
     with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
-        interp = _ProfilingInterpreter(gm, cost_model, repeats)
-        interp.allocator_device = _allocator_device(gm, example_inputs)
+        interp = _ProfilingInterpreter(gm, cost_model, repeats, _allocator_device(gm, example_inputs))
         for t in _tensors(example_inputs):
             interp.owner.setdefault(_storage_key(t), "")
         interp.run(*example_inputs)
