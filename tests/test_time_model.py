@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from fxremat.core import Schedule, load_graph
 from fxremat.passes.lower import build_graph
-from fxremat.passes.profile import checkpoint_costs, profile
+from fxremat.passes.profile import CheckpointCosts, checkpoint_costs, profile
 from fxremat.planner import choose, recompute_time
 from fxremat.budget import parse_budget
 from fxremat.simulate import rerun_time
@@ -109,13 +109,19 @@ def test_each_nodes_hooks_follow_the_tensors_it_saves():
     assert by_name["lin"].saved_bytes == 16 * row
     assert by_name["norm"].saved_bytes == 16 * row + 2 * row  # input, mean, rstd
     assert by_name["tanh"].saved_bytes == 16 * row
+    assert costs.mechanism is not None  # fitted on this machine; its terms may fit to 0 on a noisy one,
+    # so the graph is built with known ones
+    costs = dataclasses.replace(costs, mechanism=CheckpointCosts(per_checkpoint=0.1, per_saved_tensor=0.01,
+                                                                 per_saved_mib=0.5))
     graph = build_graph(gm, costs)
     unit = graph.time_unit
     for v, name in enumerate(graph.names):
         c = by_name[name]
         assert graph.hook_time[v] == round(costs.mechanism.of_node(c.saved_count, c.saved_bytes) / unit)
-    assert graph.hook_time[graph.names.index("add")] == 0
-    assert graph.recompute_cost(graph.names.index("norm")) > graph.time[graph.names.index("norm")]
+    hooks = {n: graph.hook_time[graph.names.index(n)] for n in ("lin", "norm", "tanh", "add")}
+    assert hooks["add"] == 0 and 0 < hooks["tanh"] < hooks["norm"]
+    norm = graph.names.index("norm")
+    assert graph.recompute_cost(norm) == graph.time[norm] + hooks["norm"]
 
 
 def test_planner_pays_for_checkpoints_where_memory_allows():
