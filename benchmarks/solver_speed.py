@@ -11,6 +11,9 @@ and implementation (``python``: the pure-Python reference, ``cython``: ``fxremat
 - ``planner``: (compiled only) every DP solve of ``fxremat.planner.choose`` for a budget of half
   the plain peak — about 17 solves (the memory-centric one, its ladder, a bisection).
 
+The single solves charge segments whole (``build_tables``' default); ``benchmarks/early_stop.py``
+times the planner with the early-stop weighting too.
+
 Each measurement runs in a fresh process with a time limit (``--timeout``); the reference on
 large exact families runs past it and is reported as "> limit". Both implementations must
 return the same solutions; the script checks it. Writes ``benchmarks/results/solver_speed.md``.
@@ -190,7 +193,9 @@ def report(rows, caps, args) -> str:
         "Notes: the reference tries every pair of sets in each solve (O(#L²) in Python), so on the "
         "large exact families it runs past the limit; where both finish, their answers are compared. "
         "Both use the same provably answer-preserving bounds from the approximate family (see "
-        "`fxremat.solvers.kusumoto.solve`); only the compiled path bisects the least-peak bound.",
+        "`fxremat.solvers.kusumoto.solve`); only the compiled path bisects the least-peak bound. "
+        "Segments are charged whole (`build_tables`' default: one label per set); the planner's "
+        "opt-in second weighting, with torch's early stop, is timed in `benchmarks/results/early_stop.md`.",
         "",
     ]
     return "\n".join(out)

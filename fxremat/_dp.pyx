@@ -34,6 +34,7 @@ from libc.string cimport memcpy, memmove, memset
 cdef extern from *:
     int __builtin_popcountll(unsigned long long) nogil
     int __builtin_ctzll(unsigned long long) nogil
+    int __builtin_clzll(unsigned long long) nogil
     void __builtin_prefetch(const void*) nogil
     ctypedef long long int128 "__int128"
 
@@ -362,11 +363,12 @@ cdef inline bint _better_final(Label* c, Label* best, bint time_objective) noexc
     return c.m < best.m
 
 
-cdef int64_t* _max_tables(const int64_t[::1] weights, Py_ssize_t w):
-    """For every 8-bit chunk c and byte x != 0: max of weights[8c + b] over the bits b of x."""
+cdef int64_t* _chunk_tables(const int64_t[::1] weights, Py_ssize_t w, bint summed):
+    """For every 8-bit chunk c and byte x != 0: the sum (``summed``) or the max of
+    weights[8c + b] over the bits b of x; 0 for x = 0."""
     cdef Py_ssize_t n = weights.shape[0], c, x, b
     cdef int64_t* tab = <int64_t*> malloc(w * 8 * 256 * sizeof(int64_t))
-    cdef int64_t value
+    cdef int64_t value, rest
     if tab == NULL:
         raise MemoryError()
     for c in range(w * 8):
@@ -375,9 +377,22 @@ cdef int64_t* _max_tables(const int64_t[::1] weights, Py_ssize_t w):
             b = __builtin_ctzll(x)
             value = weights[8 * c + b] if 8 * c + b < n else 0
             if x & (x - 1):
-                value = max(value, tab[c * 256 + (x & (x - 1))])
+                rest = tab[c * 256 + (x & (x - 1))]
+                value = value + rest if summed else max(value, rest)
             tab[c * 256 + x] = value
     return tab
+
+
+cdef inline int64_t _word_sum(const int64_t* tab, Py_ssize_t x, uint64_t word) noexcept nogil:
+    """Sum of a per-node weight over the bits of word x of a bitset (summed _chunk_tables)."""
+    cdef int64_t total = 0
+    cdef Py_ssize_t b
+    cdef uint64_t byte
+    for b in range(8):
+        byte = (word >> (8 * b)) & 255
+        if byte:
+            total += tab[(x * 8 + b) * 256 + byte]
+    return total
 
 
 cdef int64_t _clamp(object budget):
@@ -462,7 +477,14 @@ cdef struct _Problem:
     const int64_t* prefix_time
     const int64_t* prefix_saved
     const int64_t* out_bytes
-    const int64_t* tmax      # see _max_tables
+    const int64_t* tmax      # see _chunk_tables (max)
+    const int64_t* time      # forward time per node
+    const uint8_t* stop      # stop kind per node (CostGraph.stop_kind)
+    int64_t* tsum            # chunk sums of time, of hooks (see _chunk_tables)
+    int64_t* hsum
+    uint64_t* stops          # bitset: nodes that save a tensor (stop kind > 0)
+    bint whole               # every stop kind is 2: a step's time is T_k - T_j (prefix_time)
+    bint hooks               # some hook time is not 0
     _Order by_saved          # the sets ranked by S (prefix_saved)
     _Order by_time           # the sets ranked by T (prefix_time)
     uint64_t* candidates     # scratch: bitset of ranks
@@ -482,7 +504,8 @@ cdef struct _Problem:
 def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[::1] tops,
              const int64_t[::1] grad_boundary, const int64_t[::1] prefix_time,
              const int64_t[::1] prefix_saved, const int64_t[::1] out_bytes,
-             const int64_t[::1] transient, int64_t loss_bytes, budget, str objective,
+             const int64_t[::1] transient, const int64_t[::1] time, const int64_t[::1] hook,
+             const uint8_t[::1] stop, int64_t loss_bytes, budget, str objective,
              time_limit=None):
     """Algorithm 1 over a packed family; ``(chain, t, peak)`` or ``None`` (see the reference,
     :func:`fxremat.solvers.kusumoto.solve_dp`)."""
@@ -496,7 +519,8 @@ def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[
         raise ValueError(f"fxremat._dp.solve_dp: objective must be 'time' or 'memory', got {objective!r}")
     if (sets.shape[0] != count * w or keep.shape[0] != count * w or tops.shape[0] != count * w
             or prefix_time.shape[0] != count or prefix_saved.shape[0] != count
-            or transient.shape[0] != n or count == 0):
+            or transient.shape[0] != n or time.shape[0] != n or hook.shape[0] != n or stop.shape[0] != n
+            or count == 0):
         raise ValueError("fxremat._dp.solve_dp: array sizes do not match the set and node counts")
     if count == 1:
         return (), 0, 0
@@ -509,7 +533,20 @@ def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[
     pb.time_objective = objective == "time"
     pb.nonnegative = all(out_bytes[j] >= 0 for j in range(n)) and all(transient[j] >= 0 for j in range(n))
     try:
-        pb.tmax = _max_tables(transient, w)
+        pb.tmax = _chunk_tables(transient, w, False)
+        pb.tsum, pb.hsum = _chunk_tables(time, w, True), _chunk_tables(hook, w, True)
+        pb.time = &time[0] if n else NULL
+        pb.stop = &stop[0] if n else NULL
+        pb.stops = <uint64_t*> malloc(w * sizeof(uint64_t))
+        if pb.stops == NULL:
+            raise MemoryError()
+        memset(pb.stops, 0, w * sizeof(uint64_t))
+        pb.whole, pb.hooks = True, False
+        for j in range(n):
+            if stop[j]:
+                pb.stops[j >> 6] |= (<uint64_t> 1) << (j & 63)
+            pb.whole = pb.whole and stop[j] == 2
+            pb.hooks = pb.hooks or hook[j] != 0
         for j in range(count * w):
             if tops[j] & ~sets[j]:
                 raise ValueError(f"fxremat._dp.solve_dp: tops[{j // w}] is not a subset of sets[{j // w}]")
@@ -541,6 +578,9 @@ def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[
                 free(pb.stairs[j].lab)
         free(pb.stairs)
         free(<void*> pb.tmax)
+        free(pb.tsum)
+        free(pb.hsum)
+        free(pb.stops)
         _free_order(&pb.by_saved)
         _free_order(&pb.by_time)
         free(pb.candidates)
@@ -563,7 +603,9 @@ cdef int _sweep(_Problem* pb, const uint64_t* tops) noexcept nogil:
 
     With a memory bound, only the k with S_k <= limit - m_least - G(∂(L_j)) + S_j can take a
     label of j (a step costs at least S_k - S_j + G(∂(L_j)) when sizes are non-negative); with
-    a time bound, only those with T_k <= time_limit - t_least + T_j, and V (its step is free).
+    a time bound, only those with T_k <= time_limit - t_least + T_j, and V (its step is free),
+    where T is ``prefix_time``, the prefix sums of a floor of every segment's time
+    (:func:`fxremat.solvers.kusumoto.time_floor`), so a step costs at least T_k - T_j.
     Ranking the sets by S (or T), these are the first ranks; among them, the candidates are the
     sets that contain every node of ``tops[j]``, an AND of containment bitsets (for lower sets
     and tops = maximal nodes, exactly the supersets; each is still checked). For a fixed j the
@@ -647,6 +689,31 @@ cdef inline Py_ssize_t _first_over(Stair* st, int64_t t) noexcept nogil:
     return lo
 
 
+cdef int64_t _segment_time(_Problem* pb, const uint64_t* low, const uint64_t* high) noexcept nogil:
+    """T of the segment high \\ low (the reference's ``step_time``): the hooks of all its nodes,
+    the forwards before its last node that saves a tensor, and that node's own if it saves after
+    running."""
+    cdef Py_ssize_t x, xs = -1, s
+    cdef uint64_t seg, last = 0
+    cdef int64_t total = 0
+    for x in range(pb.w):
+        seg = high[x] & ~low[x]
+        if seg:
+            if pb.hooks:
+                total += _word_sum(pb.hsum, x, seg)
+            if seg & pb.stops[x]:
+                xs, last = x, seg & pb.stops[x]
+    if xs < 0:
+        return total
+    s = xs * 64 + 63 - __builtin_clzll(last)
+    for x in range(xs):
+        total += _word_sum(pb.tsum, x, high[x] & ~low[x])
+    total += _word_sum(pb.tsum, xs, (high[xs] & ~low[xs]) & (((<uint64_t> 1) << (s & 63)) - 1))
+    if pb.stop[s] == 2:
+        total += pb.time[s]
+    return total
+
+
 cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
     """Extend j's labels by the step L_j -> L_k, if L_j ⊊ L_k."""
     cdef Py_ssize_t x, b, i, hi, w = pb.w
@@ -678,10 +745,14 @@ cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
     if final:
         dt = 0
         step += pb.loss_bytes
-    else:
-        dt = pb.prefix_time[k] - pb.prefix_time[j]
     if st.lab[st.size - 1].m + step > pb.limit:
         return 0
+    if final:
+        pass
+    elif pb.whole:  # prefix_time holds every node's whole cost (kusumoto.time_floor)
+        dt = pb.prefix_time[k] - pb.prefix_time[j]
+    else:
+        dt = _segment_time(pb, low, high)
     # labels with t + dt <= time_limit are a prefix (t ascending in the time objective)
     hi = st.size
     if pb.time_objective and pb.time_limit != INT64_MAX:

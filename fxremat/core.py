@@ -133,6 +133,19 @@ class CostGraph:
         save only graph inputs or parameters, which it does not record, so it counts as saving."""
         return bool(self.saved[v]) or self.extra_bytes[v] > 0 or not self.preds[v]
 
+    def saves_after_running(self, v: int) -> bool:
+        """Whether v hands autograd its tensors to save only after its kernel has run (its own
+        output, extra buffers such as dropout masks); a node saving only its inputs saves them
+        before, so a recomputation that torch stops early at v never runs v's kernel."""
+        return v in self.saved[v] or self.extra_bytes[v] > 0
+
+    def stop_kind(self, v: int) -> int:
+        """0: v saves nothing; 1: it saves before its kernel runs; 2: after (see
+        :meth:`saves_after_running`). What the solvers need to cost torch's early stop."""
+        if not self.saves_tensors(v):
+            return 0
+        return 2 if self.saves_after_running(v) else 1
+
     def recompute_cost(self, v: int) -> int:
         """What v costs inside a recomputed segment, beyond the segment's fixed
         ``checkpoint_time``: its forward (``time``) and the checkpoint's hooks for what it saves

@@ -234,7 +234,7 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
         else:
             for k, v in enumerate(sub):
                 if graph.saves_tensors(v):
-                    found = (pos + k, v in graph.saved[v] or graph.extra_bytes[v] > 0)
+                    found = (pos + k, graph.saves_after_running(v))
         pos += len(sub)
     return found
 

@@ -12,7 +12,11 @@ its set definitions, without its tables or DP code:
 - S(V_i): outputs of V_i that some node saves for its backward; E, G: ``extra_bytes``,
   ``grad_bytes`` summed over V_i; G(∂(L_{i−1})); W(V_i): the largest ``step_transient``;
 - step i: m_{i−1} + K_i + S(V_i) + E(V_i) + G(V_i) + G(∂(L_{i−1})) + W(V_i), plus
-  ``loss_bytes`` for the last step; the peak is the largest step; the overhead Σ_{i<k} T(V_i).
+  ``loss_bytes`` for the last step; the peak is the largest step; the overhead Σ_{i<k} T(V_i),
+  with T(V_i) what the simulator charges a checkpoint over V_i beyond its fixed cost
+  (:func:`fxremat.simulate.rerun_time`, torch's early stop, plus the hooks of
+  :func:`fxremat.simulate.mechanism_time`), or with ``early_stop=False`` every node's
+  ``recompute_cost`` (the whole segment run again).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxremat.core import CostGraph
+from fxremat.simulate import mechanism_time, rerun_time
 
 __all__ = ["ChainCost", "lower_sets", "chains", "chain_cost", "least_time", "least_peak", "MAX_NODES"]
 
@@ -78,7 +83,7 @@ def _boundary(graph: CostGraph, mask: int) -> set[int]:
             if graph.is_output[v] or any(not (mask >> s) & 1 for s in graph.succs[v])}
 
 
-def chain_cost(graph: CostGraph, chain) -> ChainCost:
+def chain_cost(graph: CostGraph, chain, early_stop: bool = True) -> ChainCost:
     """Cost of the canonical strategy of ``chain`` (L_1, ..., L_k = V) in the DP's model."""
     saved_owners = {o for owners in graph.saved for o in owners}
     kept: set[int] = set()
@@ -97,21 +102,22 @@ def chain_cost(graph: CostGraph, chain) -> ChainCost:
         if i == len(chain) - 1:
             step += graph.loss_bytes
         else:
-            overhead += sum(graph.recompute_cost(v) for v in seg)
+            overhead += (rerun_time(graph, seg) + mechanism_time(graph, seg) - graph.checkpoint_time if early_stop
+                         else sum(graph.recompute_cost(v) for v in seg))
         steps.append(step)
         previous = mask
     return ChainCost(overhead, max(steps, default=0), tuple(steps))
 
 
-def _all_costs(graph: CostGraph):
+def _all_costs(graph: CostGraph, early_stop: bool = True):
     full = (1 << graph.n) - 1
     for chain in chains(lower_sets(graph), full):
-        yield chain, chain_cost(graph, chain)
+        yield chain, chain_cost(graph, chain, early_stop)
 
 
-def least_time(graph: CostGraph, budget: int | None = None) -> int | None:
+def least_time(graph: CostGraph, budget: int | None = None, early_stop: bool = True) -> int | None:
     """The least overhead of a chain whose every step is ≤ ``budget``; ``None`` if none is."""
-    times = [c.time for _, c in _all_costs(graph) if budget is None or c.peak_bytes <= budget]
+    times = [c.time for _, c in _all_costs(graph, early_stop) if budget is None or c.peak_bytes <= budget]
     return min(times, default=None)
 
 

@@ -109,12 +109,13 @@ def test_lower_sets_identical(graph, cap):
 @given(cost_graphs(max_nodes=9), st.booleans())
 def test_tables_and_solutions_identical(graph, exact):
     family = exact_family(graph) if exact else approx_family(graph)
-    ref_tables, fast_tables = run_both(lambda: kusumoto.build_tables(graph, family))
-    assert ref_tables == fast_tables
-    for budget in budgets_for(graph, ref_tables):
-        for objective in kusumoto.OBJECTIVES:
-            ref, fast = run_both(lambda: kusumoto.solve(graph, ref_tables, budget=budget, objective=objective))
-            assert ref == fast, (budget, objective)
+    for early_stop in (True, False):
+        tables, fast_tables = run_both(lambda: kusumoto.build_tables(graph, family, early_stop))
+        assert tables == fast_tables
+        for budget in budgets_for(graph, tables):
+            for objective in kusumoto.OBJECTIVES:
+                ref, fast = run_both(lambda: kusumoto.solve(graph, tables, budget=budget, objective=objective))
+                assert ref == fast, (budget, objective, early_stop)
 
 
 @needs_compiled
@@ -261,24 +262,26 @@ def test_approximate_never_better_than_exact(dp_impl, graph):
 
 
 @FAST
-@given(cost_graphs(max_nodes=brute.MAX_NODES, min_nodes=1), st.data())
-def test_exact_dp_matches_brute_force(dp_impl, graph, data):
-    tables = kusumoto.build_tables(graph, exact_family(graph))
+@given(cost_graphs(max_nodes=brute.MAX_NODES, min_nodes=1), st.data(), st.booleans())
+def test_exact_dp_matches_brute_force(dp_impl, graph, data, early_stop):
+    """Least peak and least time of the DP equal the oracle's, under either time weighting; with
+    the early stop a segment's time is what the simulator charges it (tests/brute_dp.py)."""
+    tables = kusumoto.build_tables(graph, exact_family(graph), early_stop)
     assert sorted(tables.sets) == brute.lower_sets(graph)
     least = brute.least_peak(graph)
     memory = kusumoto.solve(graph, tables, objective="memory")
     assert memory.peak_bytes == least
-    cost = brute.chain_cost(graph, memory.lower_sets)
+    cost = brute.chain_cost(graph, memory.lower_sets, early_stop)
     assert (cost.time, cost.peak_bytes) == (memory.time, memory.peak_bytes)
     budgets = [None, least - 1, least] + data.draw(st.lists(st.integers(least, least + 40), max_size=3))
     for budget in budgets:
         found = kusumoto.solve(graph, tables, budget=budget)
-        best = brute.least_time(graph, budget)
+        best = brute.least_time(graph, budget, early_stop)
         if best is None:
             assert found is None
             continue
         assert found is not None and found.time == best
-        cost = brute.chain_cost(graph, found.lower_sets)
+        cost = brute.chain_cost(graph, found.lower_sets, early_stop)
         assert (cost.time, cost.peak_bytes) == (found.time, found.peak_bytes)
         assert budget is None or cost.peak_bytes <= budget
 
@@ -286,7 +289,11 @@ def test_exact_dp_matches_brute_force(dp_impl, graph, data):
 @FAST
 @given(cost_graphs(max_nodes=8, min_nodes=1))
 def test_bounds_do_not_change_answers(dp_impl, monkeypatch_probes, graph):
-    tables = kusumoto.build_tables(graph, exact_family(graph))
+    for early_stop in (True, False):
+        check_bounds(graph, kusumoto.build_tables(graph, exact_family(graph), early_stop))
+
+
+def check_bounds(graph, tables):
     for budget in budgets_for(graph, tables):
         for objective in kusumoto.OBJECTIVES:
             plain = kusumoto._run(graph, tables, budget, objective, None)
@@ -296,6 +303,9 @@ def test_bounds_do_not_change_answers(dp_impl, monkeypatch_probes, graph):
             else:
                 chain, time, peak = plain
                 assert found == kusumoto.Solution(tuple(tables.sets[j] for j in chain), time, peak)
+                if objective == "time":  # any bound at or above t* (a known chain's time) changes nothing
+                    for bound in (time, 2 * time + 1, 40 * time + 17):
+                        assert kusumoto.solve(graph, tables, budget=budget, time_bound=bound) == found
 
 
 @pytest.fixture

@@ -7,9 +7,19 @@ Symbols (defined once here):
   V_i from what is kept before back-propagating through it. Here every V_i except the last is a
   non-reentrant checkpoint, and V_k runs plainly (it is back-propagated right after its forward,
   so recomputing it would only cost time).
-- T(V_i): cost of recomputing V_i, Σ ``graph.recompute_cost(v)`` (each node's forward, plus the
-  checkpoint's saved-tensor hooks for nodes that save tensors); the overhead of a strategy is
-  Σ_{i<k} T(V_i), since torch recomputes the whole segment. The fixed cost per checkpoint
+- T(V_i): cost of recomputing V_i, in one of two weightings (:func:`build_tables`'s
+  ``early_stop``). Whole segments (the default): Σ_{v ∈ V_i} (forward + saved-tensor hooks), a
+  difference of prefix sums, so a label's time is that of its set. As torch does it
+  (:func:`segment_time`, ``early_stop=True``): the forwards of V_i's nodes up to its last node
+  that saves a tensor, that node's own forward only if it saves after
+  running (its output, a mask; a node saving only its inputs saves them before its kernel runs,
+  and torch's non-reentrant checkpoint stops right there), plus the checkpoint's saved-tensor
+  hooks of every node in it — what :func:`fxremat.simulate.rerun_time` and
+  :func:`~fxremat.simulate.mechanism_time` charge. So a segment that ends in a matrix product
+  or convolution does not pay for it; T is then not a difference of prefix sums, and the
+  DP's pruning uses the prefix sums of a per-node floor (:func:`time_floor`: the hooks, plus
+  the forward of a node that saves after running, which every segment holding it pays). The
+  overhead of a strategy is Σ_{i<k} T(V_i). The fixed cost per checkpoint
   (``graph.checkpoint_time``) is left to the planner, which merges segments where that pays.
 - m: bytes kept by the strategy so far (the paper's M(U_{i-1})).
 - memory of step i (the paper's Eq. 2, re-derived for PyTorch as Hong et al. advise):
@@ -64,7 +74,8 @@ class Tables:
     (see :func:`fxremat.lowersets.pack`): ``set_words`` the sets themselves, ``keep_words``
     the storage owners of ∂(L), ``top_words`` the maximal nodes of L (no successor in L; a
     lower set contains L iff it contains them). Int64 per set: ``grad_boundary`` G(∂(L)),
-    ``prefix_time`` T(L), ``prefix_saved`` Σ_{v ∈ L} (S + E + G). ``coarse`` holds the same
+    ``prefix_time`` Σ_{v ∈ L} of :func:`time_floor` (T(V_i) ≥ its difference over the step, the
+    bound the compiled kernel prunes with), ``prefix_saved`` Σ_{v ∈ L} (S + E + G). ``coarse`` holds the same
     for the approximate family {L^v} inside ``sets`` (``None`` when that is all of it); its
     solutions bound the search over ``sets`` (see :func:`solve`).
     """
@@ -77,6 +88,7 @@ class Tables:
     grad_boundary: bytes
     prefix_time: bytes
     prefix_saved: bytes
+    early_stop: bool = False
     coarse: Tables | None = None
 
     @property
@@ -89,8 +101,13 @@ def _view(data: bytes, fmt: str) -> memoryview:
     return memoryview(data).cast(fmt)
 
 
-def build_tables(graph: CostGraph, family) -> Tables:
-    """Precompute the per-set sums the transitions need (kernel :func:`set_tables`)."""
+def build_tables(graph: CostGraph, family, early_stop: bool = False) -> Tables:
+    """Precompute the per-set sums the transitions need (kernel :func:`set_tables`).
+
+    ``early_stop``: segment times as torch runs them (see the module docstring); by default
+    every segment is charged all its nodes (T(V_i) = Σ forward + hooks, as if torch recomputed
+    the whole segment), so a label's time is T(L) whatever its chain and solves are much
+    faster."""
     n, family = graph.n, tuple(family)
     saved_any = [0] * n
     for owners in graph.saved:
@@ -102,11 +119,28 @@ def build_tables(graph: CostGraph, family) -> Tables:
     kernel = _kernels.pick(set_tables, "set_tables")
     keep, tops, grad_boundary, prefix_time, prefix_saved = kernel(
         set_words, pack(succ, words(n)), array("B", graph.is_output), array("q", graph.root),
-        array("q", graph.grad_bytes), array("q", additive), array("q", [graph.recompute_cost(v) for v in range(n)]))
+        array("q", graph.grad_bytes), array("q", additive), array("q", [time_floor(graph, v, early_stop) for v in range(n)]))
     tables = Tables(family, n, set_words.tobytes(), keep.tobytes(), tops.tobytes(),
-                    grad_boundary.tobytes(), prefix_time.tobytes(), prefix_saved.tobytes())
+                    grad_boundary.tobytes(), prefix_time.tobytes(), prefix_saved.tobytes(), early_stop)
     coarse = _coarse_indices(graph, family)
     return tables if coarse is None else replace(tables, coarse=_select(tables, coarse))
+
+
+def time_floor(graph: CostGraph, v: int, early_stop: bool = True) -> int:
+    """What every recomputed segment holding v pays for it: its hooks, and its forward if it
+    saves after running (such a node is never past the early stop) or without the early stop
+    (then the floor is the whole cost, and T(V_i) the difference of the prefix sums)."""
+    return graph.hook_time[v] + (graph.time[v] if not early_stop or graph.stop_kind(v) == 2 else 0)
+
+
+def segment_time(graph: CostGraph, seg) -> int:
+    """T of a recomputed segment (node indices), as the DP counts it: see the module docstring."""
+    stops = [v for v in seg if graph.stop_kind(v)]
+    hooks = sum(graph.hook_time[v] for v in seg)
+    if not stops:
+        return hooks
+    s = max(stops)
+    return hooks + sum(graph.time[v] for v in seg if v < s) + (graph.time[s] if graph.stop_kind(s) == 2 else 0)
 
 
 def _coarse_indices(graph: CostGraph, family) -> list[int] | None:
@@ -128,14 +162,19 @@ def _select(tables: Tables, rows: list[int]) -> Tables:
 
     return Tables(tuple(tables.sets[i] for i in rows), tables.n, pick(tables.set_words, wide),
                   pick(tables.keep_words, wide), pick(tables.top_words, wide),
-                  pick(tables.grad_boundary, 8), pick(tables.prefix_time, 8), pick(tables.prefix_saved, 8))
+                  pick(tables.grad_boundary, 8), pick(tables.prefix_time, 8), pick(tables.prefix_saved, 8),
+                  tables.early_stop)
 
 
-def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time"):
+def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time",
+          time_bound: int | None = None):
     """Algorithm 1 over ``tables.sets``; returns a :class:`Solution` or ``None`` if infeasible.
 
     ``objective="time"``: least overhead with every step's memory ≤ ``budget``.
     ``objective="memory"``: least peak (``budget``, if given, still bounds every step).
+    Segment times follow ``tables.early_stop`` (see :func:`build_tables`). ``time_bound``
+    (time objective): the time of some chain known to fit ``budget``, which bounds t* (the
+    planner passes the whole-segment solution's time under the early stop, see below).
 
     Bounds shrink the search without changing the answer (the same for both kernels):
 
@@ -144,7 +183,10 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
       bounds t*. Times never decrease along a chain (node times ≥ 0, checked), so the optimal
       chain's labels all have t ≤ t_c; a label with t > t_c can only dominate labels with a
       larger t, so dropping all of them (``time_limit``) leaves every label with t ≤ t_c,
-      back-pointers included, as it was, and the answer with it.
+      back-pointers included, as it was, and the answer with it. With the early stop a label's
+      time depends on its chain and each set keeps a front of them, so a smaller limit saves
+      much: from ``time_bound`` (or t_c) the limit starts at a sixteenth and doubles while the
+      solve finds nothing (a solve under limit L finds the answer if t* ≤ L, else nothing).
     - memory objective: likewise any P ≥ peak* used as the budget gives the same answer (a
       label with peak > P only dominates labels with a larger peak, and the answer's chain has
       peak* everywhere). P starts at the approximate family's least peak and is lowered by
@@ -155,12 +197,23 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
     if objective not in OBJECTIVES:
         raise ValueError(f"fxremat.solvers.kusumoto.solve: objective must be 'time' or 'memory', got {objective!r}")
     time_limit = None
-    if tables.coarse is not None and objective == "time" and min(graph.time, default=0) >= 0:
+    timed = objective == "time" and min(graph.time + graph.hook_time, default=0) >= 0
+    if tables.coarse is not None and timed:
         coarse = _run(graph, tables.coarse, budget, "time", None)
         time_limit = None if coarse is None else coarse[1]
     elif tables.coarse is not None and objective == "memory":
         budget = _peak_bound(graph, tables, budget)
-    found = _run(graph, tables, budget, objective, time_limit)
+    if timed and time_bound is not None:
+        time_limit = time_bound if time_limit is None else min(time_limit, time_bound)
+    limits = [time_limit]
+    if timed and tables.early_stop and time_limit is not None:
+        while limits[0] > 16:
+            limits.insert(0, limits[0] // 2)
+        limits = limits[-5:]
+    for limit in limits:
+        found = _run(graph, tables, budget, objective, limit)
+        if found is not None:
+            break
     if found is None:
         return None
     chain, time, peak = found
@@ -189,13 +242,21 @@ def _peak_bound(graph: CostGraph, tables: Tables, budget):
     return high
 
 
+def _stop_kinds(graph: CostGraph, early_stop: bool) -> list[int]:
+    """Per node, :meth:`~fxremat.core.CostGraph.stop_kind`; without the early stop every node
+    counts as saving after it runs (kind 2), so a segment pays all its forwards."""
+    return [graph.stop_kind(v) if early_stop else 2 for v in range(graph.n)]
+
+
 def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit):
     kernel = _kernels.pick(solve_dp, "solve_dp")
+    stop = _stop_kinds(graph, tables.early_stop)
     return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"),
                   _view(tables.top_words, "Q"), _view(tables.grad_boundary, "q"),
                   _view(tables.prefix_time, "q"), _view(tables.prefix_saved, "q"),
-                  array("q", graph.out_bytes), array("q", [graph.step_transient(v) for v in range(graph.n)]), graph.loss_bytes,
-                  budget, objective, time_limit)
+                  array("q", graph.out_bytes), array("q", [graph.step_transient(v) for v in range(graph.n)]),
+                  array("q", graph.time), array("q", graph.hook_time), array("B", stop),
+                  graph.loss_bytes, budget, objective, time_limit)
 
 
 # --------------------------------------------------------------------------- reference kernels
@@ -280,19 +341,31 @@ def _relax(target: dict, objective: str, t: int, m: int, peak: int, back) -> Non
 
 
 def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient,
-             loss_bytes: int, budget: int | None, objective: str, time_limit: int | None = None):
+             time, hook, stop, loss_bytes: int, budget: int | None, objective: str, time_limit: int | None = None):
     """Kernel: Algorithm 1 over a packed family; ``(chain, t, peak)`` or ``None``.
 
     ``sets``/``keep``: packed bitsets (L and the storage owners of ∂(L)) sorted by size, ∅
     first and V last; ``grad_boundary``, ``prefix_time``, ``prefix_saved``: int64 per set (see
-    :class:`Tables`); ``out_bytes``, ``transient``: int64 per node. ``chain`` holds the indices
-    of L_1, ..., L_k = V in ``sets``. Labels with a time above ``time_limit`` are dropped.
-    ``tops`` (packed subsets of each set, e.g. its maximal nodes) only speed up the compiled
+    :class:`Tables`); ``out_bytes``, ``transient``, ``time`` (forward), ``hook``: int64 per node;
+    ``stop``: uint8 per node (:meth:`~fxremat.core.CostGraph.stop_kind`). A step's time is
+    :func:`segment_time` of the segment, from these. ``chain`` holds the indices of L_1, ...,
+    L_k = V in ``sets``. Labels with a time above ``time_limit`` are dropped. ``tops`` (packed
+    subsets of each set, e.g. its maximal nodes) and ``prefix_time`` only speed up the compiled
     kernel's search for supersets; this reference tests every pair.
     """
     width = words(len(out_bytes))
     sets, keep_roots = unpack(sets, width), unpack(keep, width)
     out_sum, transient_max = _ChunkTable(out_bytes, sum), _ChunkTable(transient, max)
+    time_sum, hook_sum = _ChunkTable(time, sum), _ChunkTable(hook, sum)
+    stops = sum(1 << v for v, kind in enumerate(stop) if kind)
+
+    def step_time(seg: int) -> int:
+        last = seg & stops
+        if not last:
+            return hook_sum(seg)
+        s = last.bit_length() - 1
+        return hook_sum(seg) + time_sum(seg & ((1 << s) - 1)) + (time[s] if stop[s] == 2 else 0)
+
     full, count = sets[-1], len(sets)
     labels: list[dict] = [dict() for _ in range(count)]
     labels[0][0 if objective == "time" else (0, 0)] = (0, 0, None) if objective == "time" else (0, None)
@@ -301,7 +374,7 @@ def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_byt
         front = _front(labels[j], objective)
         if not front:
             continue
-        low, t_low, s_low = sets[j], prefix_time[j], prefix_saved[j]
+        low, s_low = sets[j], prefix_saved[j]
         for k in range(j + 1, count):
             high = sets[k]
             if low & ~high:
@@ -312,7 +385,7 @@ def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_byt
             if high == full:
                 dt, step = 0, step + loss_bytes
             else:
-                dt = prefix_time[k] - t_low
+                dt = step_time(seg)
             for key, t, m, peak in front:
                 mem = m + step
                 if mem <= limit and (time_limit is None or t + dt <= time_limit):
