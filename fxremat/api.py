@@ -49,7 +49,7 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 log = logging.getLogger("fxremat")
 
 _OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None,
-            "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0}
+            "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0, "dp_early_stop": False}
 AUTOTUNE_CANDIDATES = 4  # autotune=True times this many candidate plans
 AUTOTUNE_STEPS = 5  # timed steps per candidate (after an untimed one), interleaved
 
@@ -65,6 +65,7 @@ class _Config:
     plan: Plan | None
     rotor_slots: int
     autotune: int = 0
+    dp_early_stop: bool = False
     leaf_modules: tuple = ()
     nested: bool = True  # False with a compiler backend: "auto" plans without nested checkpoints
     one_backward: bool = False  # True with a compiler backend: the backward is one graph (CostGraph.param_grads_held)
@@ -102,6 +103,8 @@ def _config(budget, strategy, cost_model, options, *, api: str = "compile", leaf
         raise ValueError(f"fxremat.{api}: autotune takes True/False or the number of candidate plans to time "
                          f"(an int >= 2; 0 is off), got {tune!r}")
     _positive_int(api, "exact_cap", merged["exact_cap"], allow_none=True)
+    if not isinstance(merged["dp_early_stop"], bool):
+        raise TypeError(f"fxremat.{api}: dp_early_stop takes True or False, got {merged['dp_early_stop']!r}")
     return _Config(parse_budget(budget), strategy, cost_model, **merged, leaf_modules=tuple(leaf_modules))
 
 
@@ -260,7 +263,7 @@ def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
                         rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes),
-                        nested=config.nested)
+                        nested=config.nested, early_stop=config.dp_early_stop)
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
         return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key), costs
@@ -507,7 +510,10 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     used as is, without profiling or solving, after checking it was made for this graph and
     input signature), ``autotune`` (off by default; ``True`` or a count: time that many of the
     best candidate plans — each strategy's fastest predicted within the budget — for a few real
-    steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them).
+    steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them),
+    ``dp_early_stop`` (off by default: also solve the DP with torch's early stop charged, which
+    finds plans that end segments in convolutions and matrix products, far cheaper by the cost
+    model; on this CPU they ran slower, see ``benchmarks/results/early_stop.md``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -662,7 +668,7 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
             best = cand if best is None or cand[:2] < best[:2] else best
     if best is None:
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, nested=config.nested)
+                        rotor_slots=config.rotor_slots, nested=config.nested, early_stop=config.dp_early_stop)
     else:
         rtime, peak, schedule, plan_ = best
         choice = Choice(schedule=schedule, strategy=plan_.strategy, objective=plan_.objective, budget_bytes=target,

@@ -10,6 +10,7 @@ that peak is the smallest feasible budget reported by :class:`~fxremat.Infeasibl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -168,19 +169,63 @@ class _Source:
         raise NotImplementedError
 
 
+# The early-stop weighting searches the exact family only up to this many lower sets (its
+# solves keep a front per set and cost tens of ms there); beyond, the approximate family's.
+EARLY_STOP_CAP = 1000
+GRID_UNITS = 1000  # the early-stop DP's time grid: one plain step is this many units
+
+
+def on_time_grid(graph: CostGraph, units: int = GRID_UNITS) -> CostGraph:
+    """``graph`` with forward and hook times on a grid of ``units`` per plain step.
+
+    With the early stop a label's time depends on its whole chain, so the DP keeps a front of
+    (time, kept bytes) per lower set, as long as the number of distinct times; on this grid it
+    is at most ``units`` (a resolution of 1/``units`` of a step), which keeps solves fast. Times
+    are rounded as prefix sums in graph order, so any run of consecutive nodes is off by less
+    than one unit. Candidates are then simulated on ``graph`` itself."""
+    step = graph.step_cost / graph.time_unit if graph.time_unit > 0 else 0
+    if step <= 0:
+        return graph
+
+    def snap(values):
+        ends = [round(p * units / step) for p in itertools.accumulate(values)]
+        return tuple(max(0, b - a) for a, b in zip([0] + ends[:-1], ends))
+
+    return dataclasses.replace(graph, time=snap(graph.time), hook_time=snap(graph.hook_time))
+
+
 class _KusumotoDP(_Source):
     """The Kusumoto DP over one family of lower sets. Its per-step memory is an upper bound, so
-    the DP budget is searched: the simulator decides what fits."""
+    the DP budget is searched: the simulator decides what fits. With ``early_stop`` each search
+    runs under both of the DP's time weightings (:func:`fxremat.solvers.kusumoto.build_tables`):
+    the early stop is what torch does, but where the memory bound is loose, the chain it prefers
+    at a DP budget can simulate higher than the one whole-segment costs prefer (the 4-block
+    transformer's least peak: 6.6 MiB against 4.3 with its ladder), so each search keeps the
+    better simulated of the two. The early-stop solves run on :func:`on_time_grid`."""
 
-    def __init__(self, graph: CostGraph, family):
-        self.graph = graph
-        self.tables = kusumoto.build_tables(graph, family)
-        self.seconds = 0.0
+    def __init__(self, graph: CostGraph, family, early_stop: bool = True):
+        self.graph, self.early_stop, self.seconds = graph, early_stop, 0.0
+        start = time.perf_counter()
+        self.weightings = {False: (graph, kusumoto.build_tables(graph, family, early_stop=False))}
+        if early_stop:
+            grid = on_time_grid(graph)
+            self.weightings[True] = (grid, kusumoto.build_tables(grid, family, early_stop=True))
+        self.seconds += time.perf_counter() - start
 
-    def _solve(self, budget=None, objective="time"):
+    def _solve(self, budget=None, objective="time", early_stop=False):
         """Return ``(dp_solution, simulated candidate)``, both ``None`` when infeasible."""
         start = time.perf_counter()
-        sol = kusumoto.solve(self.graph, self.tables, budget=budget, objective=objective)
+        graph, tables = self.weightings[early_stop]
+        bound = None
+        if early_stop and objective == "time":
+            # the whole-segment chain fits the same DP budget: its time under the early stop
+            # bounds the answer's, which keeps the fronts short (kusumoto.solve)
+            whole = kusumoto.solve(self.graph, self.weightings[False][1], budget=budget)
+            if whole is None:
+                self.seconds += time.perf_counter() - start
+                return None, None
+            bound = sum(kusumoto.segment_time(graph, seg) for seg in Schedule.from_lower_sets(whole.lower_sets).segments[:-1])
+        sol = kusumoto.solve(graph, tables, budget=budget, objective=objective, time_bound=bound)
         self.seconds += time.perf_counter() - start
         if sol is None:
             return None, None
@@ -193,25 +238,29 @@ class _KusumotoDP(_Source):
             _, cand = self._solve(int(sol.peak_bytes * factor))
             if cand is not None and (cand.peak_bytes, cand.recompute_time) < (best.peak_bytes, best.recompute_time):
                 best = cand
+        if self.early_stop:  # the same least DP peak, its chain picked by time as torch runs it
+            _, cand = self._solve(objective="memory", early_stop=True)
+            best = min(best, cand, key=lambda c: (c.peak_bytes, c.recompute_time))
         return best
 
     def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
-        """Bisect the DP budget in [budget, DP peak of no recomputation]."""
+        """Bisect the DP budget in [budget, DP peak of no recomputation], under each weighting."""
         best = least if least.peak_bytes <= budget else None
         plain_sol, _ = self._solve()
-        lo, hi = budget, max(budget, plain_sol.peak_bytes)
-        _, cand = self._solve(lo)
-        if cand is not None and cand.peak_bytes <= budget:
-            best = _better(best, cand, _slack(self.graph))
-        for _ in range(_BISECT_STEPS):
-            if hi - lo <= max(1, budget // 256):
-                break
-            mid = (lo + hi) // 2
-            _, cand = self._solve(mid)
+        for early_stop in self.weightings:
+            lo, hi = budget, max(budget, plain_sol.peak_bytes)
+            _, cand = self._solve(lo, early_stop=early_stop)
             if cand is not None and cand.peak_bytes <= budget:
-                best, lo = _better(best, cand, _slack(self.graph)), mid
-            else:
-                hi = mid
+                best = _better(best, cand, _slack(self.graph))
+            for _ in range(_BISECT_STEPS):
+                if hi - lo <= max(1, budget // 256):
+                    break
+                mid = (lo + hi) // 2
+                _, cand = self._solve(mid, early_stop=early_stop)
+                if cand is not None and cand.peak_bytes <= budget:
+                    best, lo = _better(best, cand, _slack(self.graph)), mid
+                else:
+                    hi = mid
         return best
 
 
@@ -287,18 +336,19 @@ class _Rotor(_Enumerated):
 
 
 def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots: int = DEFAULT_ROTOR_SLOTS,
-             nested: bool = True):
+             nested: bool = True, early_stop: bool = False):
     """The strategy's candidate sources by name, the number of lower sets searched, and notes."""
     sources: dict[str, _Source] = {}
     sets, notes, used = 0, (), None
     if strategy in _KUSUMOTO:
         family, used, note = _family(graph, strategy, exact_cap)
         notes = (note,) if note else ()
-        sources[used], sets = _KusumotoDP(graph, family), len(family)
+        capped = used == "exact" and len(family) > EARLY_STOP_CAP
+        sources[used], sets = _KusumotoDP(graph, family, early_stop and not capped), len(family)
     if strategy == "auto" and used == "exact":
         # The DP optimises an upper bound of the peak, so the approximate family's optimum can
         # simulate lower than the exact one's; it is cheap, so auto looks at both.
-        sources["approx"] = _KusumotoDP(graph, _family(graph, "approx", exact_cap)[0])
+        sources["approx"] = _KusumotoDP(graph, _family(graph, "approx", exact_cap)[0], early_stop)
     if strategy == "rotor" or (strategy == "auto" and nested):
         sources["rotor"] = _Rotor(graph, rotor_slots)
     if strategy in ("auto", "chen"):
@@ -311,7 +361,8 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots
 
 
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
-           rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None, nested: bool = True) -> Choice:
+           rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None, nested: bool = True,
+           early_stop: bool = False) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
 
     ``plain_peak_bytes``: the model's own peak without fxremat, where it is not the graph's
@@ -319,6 +370,12 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     a fraction budget is a fraction of it, and it is the reported ``baseline_peak_bytes``.
     ``nested=False``: ``"auto"`` leaves out rotor's nested checkpoints (a compiled step does not
     keep them: see :func:`fxremat.compile`'s ``backend``).
+    ``early_stop=True``: the Kusumoto sources also solve with torch's early stop charged
+    (:class:`_KusumotoDP`); off by default: by the cost models the plans it adds are far cheaper
+    (DenseNet-161 at 0.6: 2.5% against 13.6%), but measured on this CPU they ran slower — eager,
+    the mechanism of their many small segments is undercounted (the ResNet chain at 0.6: +28.0%
+    for +17.3% predicted, against +17.5% for the whole-segment plan); under Inductor the
+    transformer at 0.7 ran 1.11x plain Inductor against 1.08x (benchmarks/results/early_stop.md).
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
     articulation chain, nested checkpoints), ``"chen"``, ``"hong"``, ``"sequential"`` (chain
@@ -337,7 +394,7 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         return Choice(schedule=plain, strategy="none", objective="time-centric", budget_bytes=target or plain_peak,
                       baseline_peak_bytes=baseline, peak_bytes=plain_peak, recompute_time=0, solve_seconds=0.0,
                       num_lower_sets=0)
-    sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots, nested)
+    sources, sets, notes = _sources(graph, strategy, exact_cap, rotor_slots, nested, early_stop)
     least = {name: src.least() for name, src in sources.items()}
     if not any(least.values()):
         raise ValueError(f"fxremat: strategy={strategy!r} found no plan for this graph: it has fewer than two "

@@ -1,0 +1,90 @@
+"""The DP charges torch's early stop: a recomputed segment pays for its nodes up to its last
+saving node, and nothing for that node's kernel when it saves only its inputs.
+
+- the planner finds the cheaper plans this allows (segments ending in a matrix product), which
+  the whole-segment DP could not, and their peak, prediction and numerics hold when trained;
+- it is opt-in (``dp_early_stop=True``);
+- ``kusumoto.solve``'s ``time_bound`` does not change its answer.
+(The DP against brute force under both weightings: tests/test_kernels.py.)
+"""
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import fxremat
+from fxremat.budget import parse_budget
+from fxremat.passes.lower import build_graph
+from fxremat.passes.profile import profile
+from fxremat.passes.trace import trace
+from fxremat.planner import choose, recompute_time
+from fxremat.simulate import rerun_time
+from _models import assert_same_state, pair, train_step, with_grads
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.nets import transformer_stack  # noqa: E402
+
+
+def _transformer():
+    torch.manual_seed(0)
+    return transformer_stack(depth=4, dim=64, heads=4), torch.randn(4, 128, 64)  # the benchmarks' stack
+
+
+@pytest.fixture(scope="module")
+def compiled_graph():
+    model, x = _transformer()
+    gm = trace(model)
+    return build_graph(gm, profile(gm, (x,), cost_model="compiled"))
+
+
+def _whole_only(graph, budget):
+    return choose(graph, budget, early_stop=False)
+
+
+def test_early_stop_finds_cheaper_plans_within_the_same_budget(compiled_graph):
+    graph = compiled_graph
+    cheaper = 0
+    for fraction in (0.85, 0.7, 0.6):
+        budget = parse_budget(fraction)
+        whole, early = _whole_only(graph, budget), choose(graph, budget, early_stop=True)
+        assert early.peak_bytes <= early.budget_bytes and whole.peak_bytes <= whole.budget_bytes
+        assert early.recompute_time == recompute_time(graph, early.schedule)
+        assert early.recompute_time <= whole.recompute_time
+        cheaper += early.recompute_time < 0.8 * whole.recompute_time
+    assert cheaper >= 1
+    # the plan at 0.7 has a recomputed segment whose recomputation skips some of its kernels
+    plan = choose(graph, parse_budget(0.7), early_stop=True).schedule
+    assert any(rec and rerun_time(graph, seg) < sum(graph.time[v] for v in seg)
+               for seg, rec in zip(plan.segments, plan.recomputed))
+
+
+def test_early_stop_is_opt_in():
+    """By default the DP charges whole segments (the early-stop plans ran slower on this CPU,
+    benchmarks/results/early_stop.md); ``dp_early_stop=True`` turns it on, and it takes a bool."""
+    model, x = _transformer()
+    default = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled")
+    on = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled", dp_early_stop=True)
+    assert on.predicted_overhead < 0.8 * default.predicted_overhead
+    with pytest.raises(TypeError, match="dp_early_stop takes True or False, got 'yes'"):
+        fxremat.plan(model, 0.7, example_inputs=(x,), dp_early_stop="yes")
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_early_stop_plans_train_exactly_within_their_predicted_peak(fraction):
+    """FLOP costs use the early-stop DP; the emitted step is exact against the plain model and
+    its measured peak is the predicted one."""
+    model, x = _transformer()
+    plain, twin = pair(model)
+    compiled = with_grads(fxremat.compile(twin, fraction, example_inputs=(x,), cost_model="flops", dp_early_stop=True))
+    plain = with_grads(plain)
+    _, peak = fxremat.measure_peak(train_step, compiled, x)
+    plan = compiled.plan
+    assert abs(peak / plan.predicted_peak_bytes - 1) <= 0.02, (peak, plan.predicted_peak_bytes)
+    assert peak <= 1.05 * plan.budget_bytes
+    for m in (plain, compiled):
+        for p in m.parameters():
+            p.grad = None
+    torch.testing.assert_close(train_step(compiled, x), train_step(plain, x), rtol=0, atol=0)
+    assert_same_state(plain, compiled)
