@@ -5,7 +5,9 @@
 #      time vs plain, beside hand checkpointing, checkpoint_sequential and torch.compile's budget replay;
 #   3. time truth (benchmarks.time_truth): predicted vs measured overhead at 0.6 and 0.4, every strategy;
 #   4. Inductor (benchmarks.compile_budget): fxremat + Inductor beside plain Inductor on the U-Net;
-#   5. torchvision's ResNet-50 at batch 64 through `fxremat bench` (measured and predicted peaks).
+#   5. torchvision's ResNet-50 at batch 64 through `fxremat bench` (measured and predicted peaks);
+#   6. (not in the default parts) time truth with dp_early_stop=True, to compare with part 3:
+#      on this CPU its plans ran slower than predicted (benchmarks/results/early_stop.md).
 # Each part has its own time limit, so one that fails or runs long leaves the others their time;
 # every part writes its table as it goes.
 #
@@ -48,5 +50,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     want 5 && echo "== 5. a torchvision ResNet-50 at 0.5 (plain and compiled: measured and predicted peaks, step times)" &&
     timeout "${T_ZOO:-100}" $py -m fxremat.cli bench torchvision:resnet50 --input 64x3x224x224 --budget 0.5 \
         --device "$device" --autotune 0
+    want 6 && echo "== 6. time truth, dp_early_stop=True" &&
+    timeout "${T_EARLY:-150}" $py -m benchmarks.time_truth --budgets ${BUDGETS:-0.6 0.4} --repeats 7 --device "$device" \
+        --batch-scale "$scale" --out "$out" --dp-early-stop
     date -u
 } 2>&1 | tee "$out/device_check.log"

@@ -105,13 +105,13 @@ def recomputed_forward_seconds(gm: fx.GraphModule, x: torch.Tensor, repeats: int
     return statistics.median(totals)
 
 
-def measure(name, build, shape, budget, repeats: int, device: str = "cpu") -> dict:
+def measure(name, build, shape, budget, repeats: int, device: str = "cpu", options=None) -> dict:
     torch.manual_seed(0)
     model = build().train().to(device)
     x = torch.randn(*shape, device=device)
     plain = with_grads(copy.deepcopy(model))
     none = with_grads(fxremat.compile(copy.deepcopy(model), 1.0, example_inputs=(x,)))
-    compiled = with_grads(fxremat.compile(copy.deepcopy(model), budget, example_inputs=(x,)))
+    compiled = with_grads(fxremat.compile(copy.deepcopy(model), budget, example_inputs=(x,), **(options or {})))
     segmented = without_checkpoints(compiled.graph_module)
     variants = {"plain": plain, "none": none, "segmented": segmented, "compiled": compiled}
     times = {k: [] for k in variants}
@@ -142,7 +142,7 @@ COLOSSAL = "Colossal-AI rotor"  # a peer row where Colossal-AI imports (benchmar
 SAME_MEMORY = 1.01  # "no more memory": a measured peak within 1% of auto's
 
 
-def strategies(name, build, shape, budget, repeats: int, device: str = "cpu") -> list[dict]:
+def strategies(name, build, shape, budget, repeats: int, device: str = "cpu", options=None) -> list[dict]:
     """Every strategy's plan at ``budget`` (and ``auto``, and ``auto`` with ``autotune=True``),
     trained side by side with the plain model: measured peak and step time of each."""
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def strategies(name, build, shape, budget, repeats: int, device: str = "cpu") ->
         strategy, tune = ("auto", label.endswith("autotune")) if label.startswith("auto") else (label, False)
         try:
             variants[label] = with_grads(fxremat.compile(copy.deepcopy(model), budget, example_inputs=(x,),
-                                                         strategy=strategy, autotune=tune))
+                                                         strategy=strategy, autotune=tune, **(options or {})))
         except (fxremat.InfeasibleBudgetError, ValueError) as exc:
             print(f"  {name} {budget} {label}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
     if "auto" in variants and colossal.installed() and device == "cpu":
@@ -231,9 +231,12 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", nargs="+", metavar="BUDGET",
                         help=f"fractions of the plain peak or min (default {' '.join(map(str, BUDGETS))}; "
                              "0.4 with --quick)")
+    parser.add_argument("--dp-early-stop", action="store_true",
+                        help="plan with dp_early_stop=True (writes time_truth_early_stop.md)")
     add_machine_options(parser)
     args = parser.parse_args(argv)
     machine = set_up_machine(parser, args, "benchmarks.time_truth")
+    options = {"dp_early_stop": True} if args.dp_early_stop else {}
     budgets = (tuple(b if b == "min" else float(b) for b in args.budgets) if args.budgets
                else (0.4,) if args.quick else BUDGETS)
     mechanism = profile.machine_checkpoint_costs(torch.device(machine.device))
@@ -244,13 +247,13 @@ def main(argv=None) -> None:
         shape = machine.shape(shape)
         for budget in budgets:
             try:
-                row = measure(name, build, shape, budget, repeats, machine.device)
+                row = measure(name, build, shape, budget, repeats, machine.device, options)
             except fxremat.InfeasibleBudgetError as exc:
                 print(f"{name} {budget}: {exc}", flush=True)
                 continue
             print(_table([row]).splitlines()[-1], flush=True)
             rows.append(row)
-            found = strategies(name, build, shape, budget, repeats, machine.device)
+            found = strategies(name, build, shape, budget, repeats, machine.device, options)
             print("\n".join(_strategy_table(found).splitlines()[2:]), flush=True)
             peer_rows += found
     text = (f"# Time truth: predicted vs measured overhead, and where the time goes\n\n{machine.environment()}  \n"
@@ -265,7 +268,8 @@ def main(argv=None) -> None:
             f"peaks measured). The last column: `auto`'s step time over the fastest plan whose measured peak is at "
             f"most 1% above auto's (its own or another strategy's); issue 15 asks for at most +3%. {_colossal_note()}\n\n"
             f"{_strategy_table(peer_rows)}\n")
-    path = machine.out / ("time_truth_quick.md" if args.quick else "time_truth.md")
+    path = machine.out / (("time_truth_quick" if args.quick else "time_truth")
+                          + ("_early_stop" if args.dp_early_stop else "") + ".md")
     path.write_text(text)
     print(f"wrote {path}")
 
