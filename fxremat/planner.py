@@ -371,7 +371,8 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     ``nested=False``: ``"auto"`` leaves out rotor's nested checkpoints (a compiled step does not
     keep them: see :func:`fxremat.compile`'s ``backend``).
     ``early_stop=True``: the Kusumoto sources also solve with torch's early stop charged
-    (:class:`_KusumotoDP`); off by default: by the cost models the plans it adds are far cheaper
+    (:class:`_KusumotoDP`; an exact family above ``EARLY_STOP_CAP`` lower sets does not, and then
+    only ``"auto"``'s approximate source carries it); off by default: by the cost models the plans it adds are far cheaper
     (DenseNet-161 at 0.6: 2.5% against 13.6%), but measured on this CPU they ran slower — eager,
     the mechanism of their many small segments is undercounted (the ResNet chain at 0.6: +28.0%
     for +17.3% predicted, against +17.5% for the whole-segment plan); under Inductor the
