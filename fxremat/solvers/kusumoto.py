@@ -126,7 +126,7 @@ def build_tables(graph: CostGraph, family, early_stop: bool = False) -> Tables:
     return tables if coarse is None else replace(tables, coarse=_select(tables, coarse))
 
 
-def time_floor(graph: CostGraph, v: int, early_stop: bool = True) -> int:
+def time_floor(graph: CostGraph, v: int, early_stop: bool) -> int:
     """What every recomputed segment holding v pays for it: its hooks, and its forward if it
     saves after running (such a node is never past the early stop) or without the early stop
     (then the floor is the whole cost, and T(V_i) the difference of the prefix sums)."""
