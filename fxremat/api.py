@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from .budget import parse_budget
 from .errors import PlanBudgetError
 from .core import CostGraph, Schedule
+from .passes.calibrate import calibrate
 from .passes.lower import build_graph
 from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, step_times
 from .passes.rewrite import rewrite
@@ -238,7 +239,12 @@ def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[CostGr
     with _stage("profiling", f"{sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes, "
                              f"cost model {config.cost_model}"):
         costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
-        return replace(build_graph(gm, costs), param_grads_held=config.one_backward), costs
+        graph = build_graph(gm, costs)
+    if costs.mechanism is not None:
+        with _stage("calibrating", "the checkpoint mechanism on this model"):
+            costs = replace(costs, mechanism=calibrate(gm, inputs, graph, costs, config.profile_repeats))
+            graph = build_graph(gm, costs)
+    return replace(graph, param_grads_held=config.one_backward), costs
 
 
 def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:

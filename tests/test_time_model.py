@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from fxremat.core import Schedule, load_graph
+from fxremat.passes.calibrate import calibrate, calibration_schedules
 from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import CheckpointCosts, checkpoint_costs, profile
 from fxremat.planner import choose, recompute_time
@@ -257,3 +258,83 @@ def test_flat_plans_for_a_compiled_step():
         assert nested.peak_bytes <= flat.peak_bytes or budget.fraction is not None
     assert choose(graph, parse_budget("min")).schedule.depth > 1
     assert choose(graph, parse_budget("min"), strategy="rotor", nested=False).schedule.depth > 1
+
+
+def _segment_of(sched: Schedule) -> dict[int, int]:
+    return {v: i for i, seg in enumerate(sched.segments) for v in seg}
+
+
+def test_calibration_schedules_are_chains_of_lower_sets():
+    """The schedules the mechanism is calibrated on are plans the rewrite can emit: every node in
+    one segment, each reading only its own or earlier segments, tied nodes together, the last
+    segment kept; on a long chain they recompute 1, 3 and 7 segments."""
+    for name in ("unet.json", "vgg19.json", "densenet161.json"):
+        graph = load_graph(os.path.join(FIXTURES, name))
+        schedules = calibration_schedules(graph)
+        assert len(schedules) >= 2, name
+        for sched in schedules:
+            where = _segment_of(sched)
+            assert sorted(where) == list(range(graph.n))
+            assert all(where[p] <= where[v] for v in range(graph.n) for p in graph.ordered_preds[v])
+            assert all(where[graph.anchor[v]] == where[v] for v in range(graph.n))
+            assert not sched.recomputed[-1] and any(sched.recomputed)
+    chain = calibration_schedules(load_graph(os.path.join(FIXTURES, "vgg19.json")))
+    assert [sum(s.recomputed) for s in chain] == [1, 3, 7]
+
+
+class _TanhStack(torch.nn.Module):
+    def __init__(self, depth: int = 24):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):
+    """A checkpoint made 4 ms dearer (a sleep in each call of the emitted code's ``recompute``)
+    is found by the calibration as about 4 ms a checkpoint, where the machine fit on synthetic
+    chains cannot see it."""
+    import time
+
+    from fxremat.passes import rewrite as rewrite_pass
+    from fxremat.runtime import recompute
+
+    delay = 4e-3
+
+    def slow_recompute(segment, *inputs, **kwargs):
+        time.sleep(delay)
+        return recompute(segment, *inputs, **kwargs)
+
+    torch.manual_seed(0)
+    gm = fx.symbolic_trace(_TanhStack())
+    x = torch.randn(32, 64)
+    costs = profile(gm, (x,), cost_model="measured", repeats=3)
+    graph = build_graph(gm, costs)
+    assert costs.mechanism.per_checkpoint < 1.0
+    monkeypatch.setattr(rewrite_pass, "recompute", slow_recompute)
+    found = calibrate(gm, (x,), graph, costs, repeats=5)
+    assert 0.6 * delay * 1e3 < found.per_checkpoint < 1.6 * delay * 1e3
+    assert found.per_saved_tensor >= 0 and found.per_saved_mib >= 0
+    monkeypatch.undo()
+    plain = calibrate(gm, (x,), graph, costs, repeats=5)
+    assert plain.per_checkpoint < 0.5 * delay * 1e3
+
+
+def test_compiled_plans_count_the_calibrated_mechanism():
+    """``fxremat.compile`` with measured costs plans with the mechanism calibrated on the model:
+    the profile it keeps carries it, and the plan's predicted overhead counts it."""
+    import fxremat
+
+    torch.manual_seed(0)
+    x = torch.randn(32, 64)
+    compiled = fxremat.compile(_TanhStack(), 0.5, example_inputs=(x,))
+    costs = next(iter(compiled._remat.timed.values()))
+    machine = fxremat.passes.profile.machine_checkpoint_costs(torch.device("cpu"))
+    assert costs.mechanism is not None and costs.mechanism is not machine
+    forward = sum(s.recompute_cost for s in compiled.plan.segments if s.recomputed)
+    segments = sum(s.recomputed for s in compiled.plan.segments)
+    assert segments > 0
+    assert compiled.plan.predicted_overhead * costs.step_cost >= forward + segments * costs.mechanism.per_checkpoint - 1e-3
