@@ -109,8 +109,9 @@ MERGE_SLACK = 0.005  # of a step: a merge of two checkpoints may cost this much 
 
 def _slack(graph: CostGraph) -> int:
     """``MERGE_SLACK`` of a step in ``time`` units, where the costs are measured on a clock (the
-    mechanism is modelled); 0 otherwise."""
-    if graph.checkpoint_time <= 0 or graph.time_unit <= 0:
+    mechanism is modelled: a cost a checkpoint or per node, either of which the calibration may
+    fit to 0); 0 otherwise."""
+    if (graph.checkpoint_time <= 0 and not any(graph.hook_time)) or graph.time_unit <= 0:
         return 0
     return int(MERGE_SLACK * graph.step_cost / graph.time_unit)
 

@@ -260,6 +260,17 @@ def test_flat_plans_for_a_compiled_step():
     assert choose(graph, parse_budget("min"), strategy="rotor", nested=False).schedule.depth > 1
 
 
+class _TanhStack(torch.nn.Module):
+    def __init__(self, depth: int = 24):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
 def _segment_of(sched: Schedule) -> dict[int, int]:
     return {v: i for i, seg in enumerate(sched.segments) for v in seg}
 
@@ -267,7 +278,7 @@ def _segment_of(sched: Schedule) -> dict[int, int]:
 def test_calibration_schedules_are_chains_of_lower_sets():
     """The schedules the mechanism is calibrated on are plans the rewrite can emit: every node in
     one segment, each reading only its own or earlier segments, tied nodes together, the last
-    segment kept; on a long chain they recompute 1, 3 and 7 segments."""
+    segment kept; on a long chain they recompute 1, 8 and 15 segments."""
     for name in ("unet.json", "vgg19.json", "densenet161.json"):
         graph = load_graph(os.path.join(FIXTURES, name))
         schedules = calibration_schedules(graph)
@@ -278,19 +289,9 @@ def test_calibration_schedules_are_chains_of_lower_sets():
             assert all(where[p] <= where[v] for v in range(graph.n) for p in graph.ordered_preds[v])
             assert all(where[graph.anchor[v]] == where[v] for v in range(graph.n))
             assert not sched.recomputed[-1] and any(sched.recomputed)
-    chain = calibration_schedules(load_graph(os.path.join(FIXTURES, "vgg19.json")))
-    assert [sum(s.recomputed) for s in chain] == [1, 3, 7]
-
-
-class _TanhStack(torch.nn.Module):
-    def __init__(self, depth: int = 24):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(depth))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return x
+    gm = fx.symbolic_trace(_TanhStack(depth=48))
+    chain = calibration_schedules(build_graph(gm, profile(gm, (torch.randn(2, 64),), cost_model="uniform")))
+    assert [sum(s.recomputed) for s in chain] == [1, 8, 15]
 
 
 def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):

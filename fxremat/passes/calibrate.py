@@ -38,10 +38,11 @@ __all__ = ["calibrate", "calibration_schedules"]
 
 log = logging.getLogger("fxremat")
 
-# The schedules timed: (parts of about equal forward time, the parts recomputed). Their
-# checkpoint counts (1, 3, 7) and recomputed shares (1/2, 3/4, 7/8) differ, so the two terms
-# are told apart.
-SCHEDULES = ((2, (0,)), (4, (0, 1, 2)), (8, (0, 1, 2, 3, 4, 5, 6)))
+# The schedules timed: (parts of about equal forward time, the parts recomputed). The first two
+# recompute the same half of the forward with 1 and 8 checkpoints (the cost a checkpoint, from a
+# difference of 7 of them: on a slow step the noise of a few timed steps is as large as one), the
+# third 15/16 of it with 15 (the per-node factor).
+SCHEDULES = ((2, (0,)), (16, tuple(range(0, 15, 2))), (16, tuple(range(15))))
 MIN_SCHEDULES = 2  # fewer distinct schedules (a graph of a few nodes): the machine fit stays
 # Rounds of steps timed: enough for about this many milliseconds of steps (a fast step is noisy
 # against a mechanism of a fraction of a millisecond), at least ``repeats``, at most MAX_ROUNDS.
