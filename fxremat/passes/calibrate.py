@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..core import CostGraph, Schedule, ancestor_masks
 from ..simulate import mechanism_time, rerun_time
-from .profile import CheckpointCosts, GraphCosts, preserved_state, step_times, user_hooks_disabled
+from .profile import CheckpointCosts, GraphCosts, nonnegative_fit, preserved_state, step_times, user_hooks_disabled
 from .rewrite import rewrite
 from .trace import writes_in_place
 
@@ -102,21 +102,6 @@ def calibration_schedules(graph: CostGraph, ties=()) -> list[Schedule]:
     return found
 
 
-def _nonnegative_fit(rows, targets) -> list[float]:
-    """Least squares of ``targets`` on ``rows``, dropping terms fitted negative and refitting."""
-    terms = list(range(len(rows[0])))
-    while terms:
-        a = torch.tensor([[r[t] for t in terms] for r in rows], dtype=torch.float64)
-        fit = torch.linalg.lstsq(a, torch.tensor(targets, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
-        if (fit >= 0).all():
-            out = [0.0] * len(rows[0])
-            for t, c in zip(terms, fit.tolist()):
-                out[t] = c
-            return out
-        terms = [t for t, c in zip(terms, fit.tolist()) if c >= 0]
-    return [0.0] * len(rows[0])
-
-
 def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphCosts,
               repeats: int) -> CheckpointCosts | None:
     """The mechanism's costs for this model (see the module docstring): ``costs.mechanism``
@@ -135,9 +120,8 @@ def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphC
     random = {c.name for c in costs.nodes if c.uses_rng}
     modules = [rewrite(gm, [[graph.names[v] for v in seg] for seg in s.segments], list(s.recomputed), mutated,
                        random=random) for s in schedules]
+    rounds = min(MAX_ROUNDS, max(repeats, round(CALIBRATION_MS / (len(schedules) + 1) / max(costs.step_cost, 1e-3))))
     with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
-        step_ms = step_times([gm], inputs, 1)[0]
-        rounds = min(MAX_ROUNDS, max(repeats, round(CALIBRATION_MS / (len(schedules) + 1) / max(step_ms, 1e-3))))
         plain, *timed = step_times([gm, *modules], inputs, rounds)
     per_node = replace(graph, checkpoint_time=0)  # hook_time alone: the machine's per-node share
     rows, targets = [], []
@@ -145,7 +129,7 @@ def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphC
         segs = [seg for seg, r in zip(s.segments, s.recomputed) if r]
         rows.append([float(len(segs)), sum(mechanism_time(per_node, seg) for seg in segs) * graph.time_unit])
         targets.append(t - plain - sum(rerun_time(graph, seg) for seg in segs) * graph.time_unit)
-    per_checkpoint, factor = _nonnegative_fit(rows, targets)
+    per_checkpoint, factor = nonnegative_fit(rows, targets)
     fitted = CheckpointCosts(per_checkpoint, factor * machine.per_saved_tensor, factor * machine.per_saved_mib)
     log.debug("fxremat: checkpoint mechanism on this model %s (machine fit %s; %d schedules, plain %.3g ms, "
               "added beyond the recomputed forward %s ms)", fitted, machine, len(schedules), plain,

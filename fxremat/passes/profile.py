@@ -629,17 +629,24 @@ def checkpoint_costs(device: torch.device, repeats: int = 11) -> CheckpointCosts
                 forward = median_ms(lambda: chain(x, w, k))
                 rows.append((1.0, float(recorder.count), recorder.nbytes / 2**20))
                 extra.append(checkpointed - plain - forward)
-    terms = [0, 1, 2]
+    return CheckpointCosts(*nonnegative_fit(rows, extra))
+
+
+def nonnegative_fit(rows, targets) -> list[float]:
+    """Least squares of ``targets`` on ``rows`` (one coefficient per column) with every
+    coefficient at least 0: columns fitted negative are left out and the rest fitted again (the
+    first column alone if none is left); left-out columns get 0."""
+    terms = list(range(len(rows[0])))
     while True:
         a = torch.tensor([[r[t] for t in terms] for r in rows], dtype=torch.float64)
-        fit = torch.linalg.lstsq(a, torch.tensor(extra, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
+        fit = torch.linalg.lstsq(a, torch.tensor(targets, dtype=torch.float64).unsqueeze(1)).solution.squeeze(1)
         if (fit >= 0).all() or len(terms) == 1:
             break
         terms = [t for t, c in zip(terms, fit.tolist()) if c >= 0] or [0]
-    costs = [0.0, 0.0, 0.0]
+    out = [0.0] * len(rows[0])
     for t, c in zip(terms, fit.tolist()):
-        costs[t] = max(0.0, c)
-    return CheckpointCosts(*costs)
+        out[t] = max(0.0, c)
+    return out
 
 
 def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, float]:
