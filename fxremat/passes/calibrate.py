@@ -3,7 +3,7 @@
 :func:`~fxremat.passes.profile.checkpoint_costs` fits the mechanism once per machine on synthetic
 chains (``tanh``, ``layer_norm``). On real segments it is several times that: measured on this
 CPU, with plans of every strategy, a checkpoint over a ResNet bottleneck cost ~1.6 ms beyond the
-forward it runs again, one over a transformer block or a U-Net level 0.5–1 ms, against ~0.1 ms
+forward it runs again, one over a transformer block or a U-Net level 0.8–2 ms with its saved tensors, against ~0.1 ms
 and 7 µs a saved tensor fitted on the chains. Where the time goes is spread out: the checkpointed
 forward (+0.3 ms a checkpoint), the recomputation running slower inside the backward than the
 same nodes timed in the forward (+0.6 ms), and the backward beyond it (+0.9 ms; the ResNet chain,
