@@ -172,3 +172,19 @@ def test_compile_and_plan_leave_the_state_dict_unchanged(how):
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), f"{how} changed {k}"
+
+
+def test_in_place_writes_stay_with_the_value_they_write():
+    """``running_mean.mul_(0.9).add_(...)``: the ``add_`` writes what ``mul_`` returned (the
+    buffer). The cost graph ties them, so no lower set — no segment boundary — falls between
+    them: a recomputed segment starting at the ``add_`` would take the buffer as a checkpoint
+    input and find it changed by its own write when it recomputes."""
+    from fxremat.api import cost_graph
+    from fxremat.lowersets import all_lower_sets
+
+    graph = cost_graph(_chain(MethodBN, n=3), example_inputs=(torch.randn(SHAPE),), cost_model="uniform")
+    index = {name: v for v, name in enumerate(graph.names)}
+    pairs = [(index[m], index[a]) for m, a in (("mul_", "add_"), ("mul__1", "add__1"), ("mul__2", "add__2"))]
+    assert all(graph.anchor[m] == graph.anchor[a] for m, a in pairs)
+    family = all_lower_sets(graph.ordered_preds, anchor=graph.anchor)
+    assert family and all((s >> m & 1) == (s >> a & 1) for s in family for m, a in pairs)

@@ -32,7 +32,6 @@ from ..core import CostGraph, Schedule, ancestor_masks
 from ..simulate import mechanism_time, rerun_time
 from .profile import CheckpointCosts, GraphCosts, nonnegative_fit, preserved_state, step_times, user_hooks_disabled
 from .rewrite import rewrite
-from .trace import writes_in_place
 
 __all__ = ["calibrate", "calibration_schedules"]
 
@@ -50,28 +49,23 @@ CALIBRATION_MS = 1000.0
 MAX_ROUNDS = 15
 
 
-def _closed(graph: CostGraph, mask: int, anc: list[int], ties) -> int:
-    """The least lower set holding ``mask`` that keeps each node with its anchor and each
-    ``(p, u)`` of ``ties`` together."""
+def _closed(graph: CostGraph, mask: int, anc: list[int]) -> int:
+    """The least lower set holding ``mask`` that keeps each node with its anchor."""
     while True:
         grown = mask
         for v in range(graph.n):
             if (grown >> v | grown >> graph.anchor[v]) & 1:
                 grown |= anc[v] | anc[graph.anchor[v]]
-        for p, u in ties:
-            if grown >> p & 1:
-                grown |= anc[u]
         if grown == mask:
             return mask
         mask = grown
 
 
-def calibration_schedules(graph: CostGraph, ties=()) -> list[Schedule]:
+def calibration_schedules(graph: CostGraph) -> list[Schedule]:
     """The schedules :func:`calibrate` times (:data:`SCHEDULES`): the graph's nodes cut, in
-    graph order, into parts of about equal forward time (each cut grown to a lower set), the
-    listed parts recomputed; duplicates and schedules with no recomputed node dropped.
-    ``ties``: ``(p, u)`` node pairs no cut separates (``u`` writes ``p``'s value in place: a
-    checkpoint taking that value as an input would find it changed when it recomputes)."""
+    graph order, into parts of about equal forward time (each cut grown to a lower set that
+    keeps every tied group whole, as the DP's lower sets do), the listed parts recomputed;
+    duplicates and schedules with no recomputed node dropped."""
     anc = ancestor_masks(graph.ordered_preds)
     total = sum(graph.time) or 1
     prefix, acc = [], 0
@@ -84,7 +78,7 @@ def calibration_schedules(graph: CostGraph, ties=()) -> list[Schedule]:
         cuts, mask = [], 0
         for k in range(1, parts):
             first = next(v for v in range(graph.n) if prefix[v] * parts >= k * total)
-            mask = _closed(graph, mask | (1 << (first + 1)) - 1, anc, ties)
+            mask = _closed(graph, mask | (1 << (first + 1)) - 1, anc)
             cuts.append(mask)
         cuts.append(full)
         segments, prev = [], 0
@@ -110,10 +104,7 @@ def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphC
     machine = costs.mechanism
     if machine is None:
         return None
-    index = {name: v for v, name in enumerate(graph.names)}
-    ties = [(index[p.name], index[u.name]) for u in gm.graph.nodes if u.name in index and writes_in_place(gm, u)
-            for p in u.all_input_nodes if p.name in index]
-    schedules = calibration_schedules(graph, ties)
+    schedules = calibration_schedules(graph)
     if len(schedules) < MIN_SCHEDULES:
         return machine
     mutated = {c.name: c.mutated_buffers for c in costs.nodes}

@@ -8,7 +8,8 @@ dropout masks. The nodes holding an activation that some node writes in place (t
 views, the in-place results) are tied into one group (:func:`fxremat.core.merged_anchors`),
 and they and their readers are kept in traced order: a write through a view
 (``zeros[:, 1:].copy_(ids)`` in a captured graph) is not ordered before the later readers of
-``zeros`` by any data edge.
+``zeros`` by any data edge. Every in-place write is also tied to the producer of the value it
+writes (a buffer's ``running_mean.mul_(m).add_(x)`` is never cut between the two).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.fx as fx
 
 from ..core import TIME_RESOLUTION, CostGraph, anchors, merged_anchors, order_edges
 from .profile import GraphCosts
-from .trace import CALL_OPS, writes_in_place
+from .trace import CALL_OPS, writes_in_place, written_inputs
 
 __all__ = ["build_graph", "LOSS_OUTPUT_COPIES"]
 
@@ -64,8 +65,12 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
     scalars = [r for r in out_roots if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
     loss_output = scalars[0] if len(scalars) == 1 else None
     written = _written_storages(gm, calls, node_costs, index)
+    # an in-place write stays with the producer of what it writes: a segment boundary between them
+    # would hand the write a checkpoint input (a buffer's `mul_` result to its `add_`), which the
+    # write changes before the checkpoint recomputes from it
+    in_place = [(index[p.name], index[u.name]) for u in calls for p in written_inputs(gm, u) if p.name in index]
     anchor = merged_anchors(preds, anchors(preds, [c.tensor_output and c.root == c.name for c in node_costs]),
-                            [holders for holders, _ in written])
+                            [holders for holders, _ in written] + in_place)
     chains = ((tuple(v for v, c in enumerate(node_costs) if c.uses_rng),) + _order_chains(gm.graph, index)
               + tuple(readers for _, readers in shared) + tuple(touched for _, touched in written))
     return CostGraph(

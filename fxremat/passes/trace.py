@@ -632,6 +632,22 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node):
     return None
 
 
+def written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The input nodes ``node`` writes in place (see :func:`writes_in_place`)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is not None:
+        written = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+                if isinstance(value, fx.Node):
+                    written.append(value)
+        if written:
+            return written
+    found = _mutated_input(gm, node)
+    return [found[1]] if found is not None and isinstance(found[1], fx.Node) else []
+
+
 def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` writes one of its inputs in place: an aten op whose schema marks an
     argument written (``Tensor(a!)``: ``copy_``, ``fill_``, ``add_``, ``out=``), or an in-place
