@@ -632,18 +632,21 @@ def _mutated_input(gm: fx.GraphModule, node: fx.Node):
     return None
 
 
+def _schema_writes(node: fx.Node) -> list[tuple[int, object]]:
+    """``(position, argument)`` of each argument an aten op's schema marks written (``Tensor(a!)``)."""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None:
+        return []
+    return [(i, a) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
 def written_inputs(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The input nodes ``node`` writes in place (see :func:`writes_in_place`)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None:
-        written = []
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                value = node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
-                if isinstance(value, fx.Node):
-                    written.append(value)
-        if written:
-            return written
+    values = [node.args[i] if i < len(node.args) and not a.kwarg_only else node.kwargs.get(a.name)
+              for i, a in _schema_writes(node)]
+    written = [v for v in values if isinstance(v, fx.Node)]
+    if written:
+        return written
     found = _mutated_input(gm, node)
     return [found[1]] if found is not None and isinstance(found[1], fx.Node) else []
 
@@ -652,10 +655,7 @@ def writes_in_place(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether ``node`` writes one of its inputs in place: an aten op whose schema marks an
     argument written (``Tensor(a!)``: ``copy_``, ``fill_``, ``add_``, ``out=``), or an in-place
     module, function, operator or method of traced code (:func:`_mutated_input`)."""
-    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-    if schema is not None and any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return True
-    return _mutated_input(gm, node) is not None
+    return bool(_schema_writes(node)) or _mutated_input(gm, node) is not None
 
 
 class ModeCall(torch.nn.Module):
