@@ -233,18 +233,29 @@ def _plan_from(graph: CostGraph, choice: Choice, cost_model: str, *, nodes=(), k
     )
 
 
-def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config) -> tuple[CostGraph, GraphCosts]:
-    """Profile and lower: the :class:`~fxremat.core.CostGraph` of a traced graph and its profile."""
+def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config, *,
+             any_budget: bool = False) -> tuple[CostGraph, GraphCosts]:
+    """Profile and lower: the :class:`~fxremat.core.CostGraph` of a traced graph and its profile,
+    the checkpoint mechanism calibrated on it where a plan under ``config`` may recompute (or, with
+    ``any_budget``, for plans at every budget)."""
     _check_inputs(gm, inputs)
     with _stage("profiling", f"{sum(n.op.startswith('call') for n in gm.graph.nodes)} nodes, "
                              f"cost model {config.cost_model}"):
         costs = profile(gm, inputs, cost_model=config.cost_model, repeats=config.profile_repeats)
         graph = build_graph(gm, costs)
-    if costs.mechanism is not None:
+    if costs.mechanism is not None and (any_budget or _may_recompute(config)):
         with _stage("calibrating", "the checkpoint mechanism on this model"):
             costs = replace(costs, mechanism=calibrate(gm, inputs, graph, costs, config.profile_repeats))
             graph = build_graph(gm, costs)
     return replace(graph, param_grads_held=config.one_backward), costs
+
+
+def _may_recompute(config: _Config) -> bool:
+    """Whether a plan under ``config`` may recompute anything at some input size: not with
+    ``strategy="none"`` nor with a budget of the whole baseline or more (a fraction >= 1), where
+    calibrating the checkpoint mechanism would only cost steps (about a second)."""
+    whole = config.budget.fraction is not None and config.budget.fraction >= 1
+    return config.strategy != "none" and not whole
 
 
 def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:
@@ -448,7 +459,7 @@ def cost_graph(model: torch.nn.Module, *, example_inputs, cost_model: str = "mea
     config = _config(1.0, "auto", cost_model, {"profile_repeats": profile_repeats}, api=api, leaf_modules=leaf_modules)
     with _training_mode(model):
         gm, inputs, _ = _traced_call(model, example_inputs, leaf_modules, api)
-        return _lowered(gm, inputs, config)[0]
+        return _lowered(gm, inputs, config, any_budget=True)[0]
 
 
 def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",

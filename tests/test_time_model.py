@@ -339,3 +339,24 @@ def test_compiled_plans_count_the_calibrated_mechanism():
     segments = sum(s.recomputed for s in compiled.plan.segments)
     assert segments > 0
     assert compiled.plan.predicted_overhead * costs.step_cost >= forward + segments * costs.mechanism.per_checkpoint - 1e-3
+
+
+def test_calibration_runs_only_where_a_plan_may_recompute(monkeypatch):
+    """The calibration costs steps: it runs for budgets that may recompute (a fraction below 1, a
+    byte budget, whose input sizes may change, "min") and for ``fxremat.cost_graph`` (plans at any
+    budget), not for a budget of the whole baseline or ``strategy="none"``."""
+    import fxremat
+    import fxremat.api
+
+    calls = []
+    monkeypatch.setattr(fxremat.api, "calibrate", lambda gm, inputs, graph, costs, repeats:
+                        calls.append(graph.n) or costs.mechanism)
+    x = torch.randn(32, 64)
+    for budget, strategy, expected in ((1.0, "auto", 0), ("100%", "auto", 0), ("1GiB", "none", 0), (0.5, "auto", 1),
+                                       ("10MiB", "auto", 1), ("min", "auto", 1)):
+        calls.clear()
+        fxremat.plan(_TanhStack(), budget, example_inputs=(x,), strategy=strategy)
+        assert len(calls) == expected, (budget, strategy)
+    calls.clear()
+    fxremat.api.cost_graph(_TanhStack(), example_inputs=(x,))
+    assert len(calls) == 1
