@@ -373,11 +373,14 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     keep them: see :func:`fxremat.compile`'s ``backend``).
     ``early_stop=True``: the Kusumoto sources also solve with torch's early stop charged
     (:class:`_KusumotoDP`; an exact family above ``EARLY_STOP_CAP`` lower sets does not, and then
-    only ``"auto"``'s approximate source carries it); off by default: by the cost models the plans it adds are far cheaper
-    (DenseNet-161 at 0.6: 2.5% against 13.6%), but measured on this CPU they ran slower — eager,
-    the mechanism of their many small segments is undercounted (the ResNet chain at 0.6: +28.0%
-    for +17.3% predicted, against +17.5% for the whole-segment plan); under Inductor the
-    transformer at 0.7 ran 1.11x plain Inductor against 1.08x (benchmarks/results/early_stop.md).
+    only ``"auto"``'s approximate source carries it). Off by default here; :func:`fxremat.compile`
+    turns it on with a compiler backend, whose AOTAutograd backward recomputes no more than it
+    reads and has no checkpoint mechanism (under Inductor on this CPU the ResNet chain at 0.5 ran
+    1.03x plain Inductor against 1.15x). By the cost models the plans it adds are far cheaper
+    (DenseNet-161 at 0.6: 2.5% against 13.6%), but through torch's checkpoint in eager they ran
+    slower: the mechanism of their many small segments is undercounted (the ResNet chain at 0.6:
+    +28.0% for +17.3% predicted, against +17.5% for the whole-segment plan;
+    benchmarks/results/early_stop.md).
 
     ``strategy``: ``"exact"``/``"approx"`` (Kusumoto DP), ``"rotor"`` (Beaumont et al. on the
     articulation chain, nested checkpoints), ``"chen"``, ``"hong"``, ``"sequential"`` (chain

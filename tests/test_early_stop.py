@@ -3,7 +3,7 @@ saving node, and nothing for that node's kernel when it saves only its inputs.
 
 - the planner finds the cheaper plans this allows (segments ending in a matrix product), which
   the whole-segment DP could not, and their peak, prediction and numerics hold when trained;
-- it is opt-in (``dp_early_stop=True``);
+- it is opt-in in eager (``dp_early_stop=True``) and on by default with a compiler backend;
 - ``kusumoto.solve``'s ``time_bound`` does not change its answer.
 (The DP against brute force under both weightings: tests/test_kernels.py.)
 """
@@ -60,15 +60,32 @@ def test_early_stop_finds_cheaper_plans_within_the_same_budget(compiled_graph):
                for seg, rec in zip(plan.segments, plan.recomputed))
 
 
-def test_early_stop_is_opt_in():
-    """By default the DP charges whole segments (the early-stop plans ran slower on this CPU,
-    benchmarks/results/early_stop.md); ``dp_early_stop=True`` turns it on, and it takes a bool."""
+def test_early_stop_is_opt_in_for_eager_plans():
+    """By default the DP charges whole segments in eager (the early-stop plans ran slower through
+    torch's checkpoint on this CPU, benchmarks/results/early_stop.md); ``dp_early_stop=True``
+    turns it on, and it takes a bool."""
     model, x = _transformer()
     default = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled")
     on = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled", dp_early_stop=True)
     assert on.predicted_overhead < 0.8 * default.predicted_overhead
     with pytest.raises(TypeError, match="dp_early_stop takes True or False, got 'yes'"):
         fxremat.plan(model, 0.7, example_inputs=(x,), dp_early_stop="yes")
+
+
+def test_early_stop_is_on_by_default_with_a_compiler_backend():
+    """With a compiler backend AOTAutograd's backward recomputes only what it reads, so
+    ``fxremat.compile(..., backend=...)`` plans with the early stop unless told otherwise."""
+    model, x = _transformer()
+    plans = {}
+    for label, options in (("default", {}), ("on", {"dp_early_stop": True}), ("off", {"dp_early_stop": False})):
+        compiled = fxremat.compile(model, 0.7, example_inputs=(x,), backend="aot_eager", **options)
+        plans[label] = compiled.plan
+        assert compiled._remat.config.dp_early_stop is (label != "off")
+    assert plans["default"].segments == plans["on"].segments
+    assert plans["default"].predicted_overhead == plans["on"].predicted_overhead
+    assert plans["on"].predicted_overhead < 0.8 * plans["off"].predicted_overhead
+    eager = fxremat.compile(model, 0.7, example_inputs=(x,), cost_model="compiled")
+    assert eager._remat.config.dp_early_stop is False
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.5])
