@@ -286,24 +286,26 @@ def _ratio(times, plain_times) -> float:
     return statistics.median(times) / statistics.median(plain_times)
 
 
-def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step) -> tuple[nn.Module, float]:
-    """``fxremat.compile(model, budget, backend="inductor")``, planned with the compiled cost model
-    and compiled by Inductor on its first step (caches off; its emitted GraphModule's code is its
-    own, so it compiles beside the others)."""
+def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step, **options) -> tuple[nn.Module, float]:
+    """``fxremat.compile(model, budget, backend="inductor", **options)``, planned with the compiled
+    cost model and compiled by Inductor on its first step (caches off; its emitted GraphModule's
+    code is its own, so it compiles beside the others)."""
     import fxremat
 
     start = time.perf_counter()
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
-        compiled = fxremat.compile(model, budget, example_inputs=(x,), backend="inductor")
+        compiled = fxremat.compile(model, budget, example_inputs=(x,), backend="inductor", **options)
         step(compiled, x)
     return compiled, time.perf_counter() - start
 
 
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
-              inductor_budgets=()):
+              inductor_budgets=(), whole_segments=False):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
-    Inductor])``.
+    Inductor])``. ``whole_segments``: each fxremat + Inductor budget also planned with
+    ``dp_early_stop=False`` (the DP charging whole segments, the eager default), timed in the same
+    loop.
 
     Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
     variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside
@@ -337,14 +339,18 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         model, seconds = _inductor(copy.deepcopy(base), fraction, x, step)
         compiled.append((f"{INDUCTOR} {fraction:g}", model, seconds))
     infeasible = []
-    for budget in inductor_budgets:
+    planned = ({}, {"dp_early_stop": False}) if whole_segments else ({},)
+    for budget, options in [(b, o) for b in inductor_budgets for o in planned]:
         try:
-            model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step)
+            model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step, **options)
         except fxremat.InfeasibleBudgetError as exc:
-            infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
-                               f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
+            if not options:
+                infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
+                                   f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
             continue
-        label = f"torch.compile(fxremat {budget}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} MiB)"
+        whole = ", whole segments" if options else ""
+        label = (f"torch.compile(fxremat {budget}{whole}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
+                 f"MiB, {sum(s.recomputed for s in model.plan.segments)} recomputed segments)")
         compiled.append((label, model, seconds))
     together = _measure([plain, *compiled], x, step, with_grads, repeats)
     inductor_times = together[f"{INDUCTOR} 1"][2]
@@ -398,6 +404,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run; on cuda the allocated peak is torch.cuda.max_memory_allocated")
     parser.add_argument("--batch-scale", type=int, default=1, help="multiply the net's batch (GPU-sized steps)")
+    parser.add_argument("--whole-segments", action="store_true",
+                        help="also plan each fxremat + Inductor budget with dp_early_stop=False, in the same loop")
     args = parser.parse_args(argv)
     allocator = caching_heap()  # steps timed right after another variant's would follow its heap otherwise
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -410,7 +418,7 @@ def main(argv=None) -> int:
     x = torch.randn(*shape, device=args.device)
     budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
-                     repeats=args.repeats, inductor_budgets=budgets)
+                     repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments)
     gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
             f"{args.device.upper()})\n\n"

@@ -5,10 +5,10 @@ saved again, so a segment pays nothing for its nodes after its last saving node,
 node's own kernel when it saves only its inputs (a convolution, a matrix product).
 With ``dp_early_stop=True`` (``planner.choose(early_stop=True)``) the planner solves the
 Kusumoto DP under two time weightings — segments charged whole, and as torch runs them (the
-early stop) — and keeps the better simulated plan; by default only the first. This script
-plans each graph fixture in ``benchmarks/fixtures/`` (fake-tensor profiles, FLOP costs, the
-paper's batch sizes) at a few budgets with the whole-segment weighting alone (what the planner
-did before) and with both, and reports the chosen plan's simulated peak, its predicted
+early stop) — and keeps the better simulated plan; by default only the first in eager, both
+with a compiler backend. This script plans each graph fixture in ``benchmarks/fixtures/``
+(fake-tensor profiles, FLOP costs, the paper's batch sizes) at a few budgets with the
+whole-segment weighting alone (what the planner did before) and with both, and reports the chosen plan's simulated peak, its predicted
 overhead (recomputation over one plain step) and the seconds ``planner.choose`` took, compiled
 kernels. Writes ``benchmarks/results/early_stop.md``.
 
@@ -26,12 +26,12 @@ import time
 from .harness import ROOT, load_average
 
 BUDGETS = ("0.8", "0.6", "0.4", "min")
-MEASURED = """Why it is off by default — measured on this CPU (2026-11-26, one thread, kept heap), the plans it adds ran slower than predicted:
+MEASURED = """Off by default in eager, on by default with a compiler backend (`fxremat.compile(..., backend="inductor")`) — measured on this CPU (2026-11-26, kept heap):
 
-- eager, `cost_model="measured"` (`PYTHONPATH=. python -m benchmarks.time_truth`, with it on): the 16-block ResNet chain at 0.6 got a plan of 28 recomputed segments (BatchNorm-ReLU-conv each, the conv skipped), predicted +17.3%, measured +28.0% (the whole-segment plan in the committed table's run: +18.0% / +17.5%); `auto` was then 7.4% slower than the fastest plan at its memory (rotor, +18.0%). With FLOP costs (`fxremat.compile(m, 0.6, cost_model="flops")`, 9 interleaved steps): 30 segments, +2.7% predicted, +25.1% measured, against 2 segments, +12.7% / +19.4%. At 0.4 (`python -m benchmarks.time_truth --quick --dp-early-stop`): the ResNet chain 25 segments, +24.7% / +37.2%, `auto` 5.5% slower than rotor at its memory; the U-Net (6 segments, +44.1% / +47.3%) and the transformer (3, +36.5% / +34.3%, `auto` within 2.6%) within max(5 points, 25%). One such segment alone (4x32x64x64) costs 0.55 ms beyond its recomputed forward against 0.32 ms by the fitted mechanism, and the excess grows ~120 µs per saved MiB (tanh-then-conv segments of 0.5 / 2 / 8 MiB: 0.22 / 0.52 / 1.13 ms) where the fit on tanh chains has 24.
-- Inductor, `cost_model="compiled"` (`python -m benchmarks.compile_budget --net transformer`): the 4-block transformer at 0.7 planned 8.3 MiB at +6.9% (recomputing attention scores and GELUs; the whole-segment plan: 8.7 MiB, +12.4%, a whole block), ran at 6.7 MiB and 1.11x plain Inductor, against 8.5 MiB and 1.08x before.
+- eager, `cost_model="measured"` (`PYTHONPATH=. python -m benchmarks.time_truth`, with it on, one thread): the 16-block ResNet chain at 0.6 got a plan of 28 recomputed segments (BatchNorm-ReLU-conv each, the conv skipped), predicted +17.3%, measured +28.0% (the whole-segment plan in the committed table's run: +18.0% / +17.5%); `auto` was then 7.4% slower than the fastest plan at its memory (rotor, +18.0%). With FLOP costs (`fxremat.compile(m, 0.6, cost_model="flops")`, 9 interleaved steps): 30 segments, +2.7% predicted, +25.1% measured, against 2 segments, +12.7% / +19.4%. At 0.4 (`python -m benchmarks.time_truth --quick --dp-early-stop`): the ResNet chain 25 segments, +24.7% / +37.2%, `auto` 5.5% slower than rotor at its memory; the U-Net (6 segments, +44.1% / +47.3%) and the transformer (3, +36.5% / +34.3%, `auto` within 2.6%) within max(5 points, 25%). One such segment alone (4x32x64x64) costs 0.55 ms beyond its recomputed forward against 0.32 ms by the fitted mechanism, and the excess grows ~120 µs per saved MiB (tanh-then-conv segments of 0.5 / 2 / 8 MiB: 0.22 / 0.52 / 1.13 ms) where the fit on tanh chains has 24.
+- Inductor, `cost_model="compiled"` (`python -m benchmarks.compile_budget --net NET --fractions 1.0 0.5 0.3 0.1 --whole-segments`, both plans of each budget compiled and timed in one loop with plain Inductor, two threads; `compile_inductor_*.md`): AOTAutograd has no checkpoint mechanism and its backward recomputes no more than it reads, and the plans it adds ran faster where they keep convolution outputs and recompute BatchNorm-ReLU: step / plain Inductor at 0.5, with / without it, ResNet chain 1.04 / 1.13 (23 / 3 recomputed segments), U-Net 1.13 / 1.17, PSPNet 1.10 / 1.09, transformer 1.09 / 1.08 (the same plan); at 0.7 ResNet chain 1.03 / 1.08, U-Net 1.11 / 1.12, PSPNet 1.07 / 1.07, but the transformer 1.12 / 1.07: its plan recomputes attention scores and GELUs (predicted +6.9%, against +12.4% for the whole block the other recomputes), and ran at 6.7 MiB for a 9.3 MiB budget, against 8.5 MiB.
 
-So the costs, not the solver, decide: FLOP costs price the small attention matrix products and BatchNorms too low on this CPU, and the eager mechanism fit prices small segments too low. On a GPU (`cost_model="flops"`, GPU-bound convolutions) it is untried."""
+So the costs, not the solver, decide: in eager the mechanism fit prices small segments too low; under Inductor, where recomputing a BatchNorm-ReLU is nearly free, FLOP costs price the transformer's small attention matrix products too low on this CPU. On a GPU (`cost_model="flops"`, GPU-bound convolutions) it is untried."""
 
 
 def plan(graph, budget: str, early_stop: bool):
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
             "Graphs: `benchmarks/fixtures/*.json` (fake tensors, FLOP costs, the paper's batch sizes). Each cell: "
             "the strategy `auto` picked, its simulated peak, its predicted overhead (recomputed forwards "
             "over one plain step) and the seconds `fxremat.planner.choose` took. *Whole segments*: the DP "
-            "charges a recomputed segment all its nodes (the default); *with the early stop*: "
+            "charges a recomputed segment all its nodes (the default in eager); *with the early stop*: "
             "`dp_early_stop=True`, both weightings, the better simulated plan.\n\n"
             + MEASURED + "\n\n"
             + "\n".join(lines) + "\n")
