@@ -70,6 +70,7 @@ class _Config:
     leaf_modules: tuple = ()
     nested: bool = True  # False with a compiler backend: "auto" plans without nested checkpoints
     one_backward: bool = False  # True with a compiler backend: the backward is one graph (CostGraph.param_grads_held)
+    backend: object = "eager"  # the torch.compile backend the steps run under (autotune compiles its candidates)
 
 
 def _positive_int(api: str, name: str, value, *, allow_none: bool = False) -> None:
@@ -283,26 +284,38 @@ def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
                         nested=config.nested, early_stop=config.dp_early_stop)
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
-        return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key), costs
+        return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend), costs
     return _plan_from(graph, choice, costs.cost_model, nodes=nodes, key=key), costs
 
 
 def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choice, costs: GraphCosts,
-               count: int, nodes, key: str) -> Plan:
+               count: int, nodes, key: str, backend="eager") -> Plan:
     """The fastest measured of the ``count`` best candidates of ``choice`` (every strategy's
     best plan within the budget, by predicted time): each is emitted and timed for real beside
     the traced graph run plainly (:func:`fxremat.passes.profile.step_times`); the model's
-    buffers and RNG states are put back. The plan lists what was tried (``Plan.autotune``)."""
+    buffers and RNG states are put back. The plan lists what was tried (``Plan.autotune``).
+    With a compiler ``backend`` each of them (the plain graph too) is compiled by it and timed as
+    it will train: a plan's compiled speed is not its eager speed (AOTAutograd recomputes inside
+    its backward graph, without the checkpoint mechanism, and fuses what it recomputes)."""
     plans = []
     for strategy, schedule, peak, rtime in choice.alternatives[:count]:
         alt = replace(choice, strategy=strategy, schedule=schedule, peak_bytes=peak, recompute_time=rtime)
         plans.append(_plan_from(graph, alt, costs.cost_model, nodes=nodes, key=key))
-    with _stage("autotuning", f"timing {len(plans)} candidate plans"), preserved_state(gm):
-        plain, *times = step_times([gm] + [_emit(gm, p) for p in plans], inputs, AUTOTUNE_STEPS)
+    modules = [gm] + [_emit(gm, p) for p in plans]
+    if backend != "eager":  # each compiled on its first, untimed, step
+        modules = [torch.compile(m, backend=backend, dynamic=False) for m in modules]
+    with _stage("autotuning", f"timing {len(plans)} candidate plans"
+                + ("" if backend == "eager" else f", each compiled by backend {_backend_name(backend)}")), \
+            preserved_state(gm):
+        plain, *times = step_times(modules, inputs, AUTOTUNE_STEPS)
     fastest = min(range(len(plans)), key=lambda i: times[i])
     trials = tuple(Trial(p.strategy, p.predicted_peak_bytes, p.predicted_overhead, t / plain - 1, i == fastest)
                    for i, (p, t) in enumerate(zip(plans, times)))
     return replace(plans[fastest], autotune=trials)
+
+
+def _backend_name(backend) -> str:
+    return repr(backend) if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
 
 
 def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
@@ -527,12 +540,13 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     used as is, without profiling or solving, after checking it was made for this graph and
     input signature), ``autotune`` (off by default; ``True`` or a count: time that many of the
     best candidate plans — each strategy's fastest predicted within the budget — for a few real
-    steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them),
+    steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them; with a
+    compiler ``backend`` each candidate is compiled by it and timed compiled),
     ``dp_early_stop`` (also solve the DP with a recomputed segment charged only up to its last
     node whose saved tensors the backward reads, which finds plans that end segments in
     convolutions and matrix products; on by default with a compiler backend, whose AOTAutograd
     backward recomputes no more than it reads (under Inductor on this CPU at 0.5: the ResNet chain
-    1.15x -> 1.03x plain Inductor, the U-Net 1.18x -> 1.14x), off in eager, where they ran slower
+    1.12x -> 1.04x plain Inductor, the U-Net 1.20x -> 1.15x, benchmarks/results/compile_inductor_*.md), off in eager, where they ran slower
     through torch's checkpoint, see ``benchmarks/results/early_stop.md``).
     """
     if not isinstance(model, torch.nn.Module):
@@ -549,7 +563,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     options.setdefault("dp_early_stop", backend != "eager")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),
-                     nested=backend == "eager", one_backward=backend != "eager")
+                     nested=backend == "eager", one_backward=backend != "eager", backend=backend)
     with _training_mode(model):
         traced = _traced(model, leaf_modules, "compile")
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
@@ -778,6 +792,8 @@ class _State:
         entry = self.emitted.get(seg)
         if entry is None:
             gm = _emit(self.traced, the_plan)
+            if self.config.backend != "eager":
+                _count_compiled_emit()
             entry = self.emitted[seg] = (the_plan, gm, attribute_bindings(gm, self.model))
             while len(self.emitted) > self.config.max_plans:
                 _, (_, old, _) = self.emitted.popitem(last=False)
@@ -799,8 +815,11 @@ class _State:
     def __getstate__(self):
         # Pickling a GraphModule re-traces its code, which would inline torch.utils.checkpoint
         # and silently drop the recomputation: keep no emitted modules, re-plan after loading.
-        return {**self.__dict__, "cache": collections.OrderedDict(), "emitted": collections.OrderedDict(),
-                "timed": collections.OrderedDict(), "planned": set(), "last": None}
+        # torch drops nn.Module.compile's wrapper when pickling, so the loaded module runs eagerly
+        # and autotune times it so (a backend may be a function that does not pickle).
+        return {**self.__dict__, "config": replace(self.config, backend="eager"), "cache": collections.OrderedDict(),
+                "emitted": collections.OrderedDict(), "timed": collections.OrderedDict(), "planned": set(),
+                "last": None}
 
 
 def _called_modules(gm: fx.GraphModule) -> dict:
@@ -823,6 +842,25 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     log.info("fxremat: %s on %s changed the traced graph; planning again on the next training step",
              what, type(state.model).__name__)
     state.retrace(new)
+
+
+_COMPILED_EMITS = [0]  # emitted modules of RematModules compiled with backend=, in this process
+
+
+def _count_compiled_emit() -> None:
+    """Warn once the emitted modules compiled in this process outnumber Dynamo's recompile limit:
+    Dynamo caches each on fxremat's own forward code (one code object for every RematModule), and
+    those beyond ``torch._dynamo.config.recompile_limit`` (8 by default) would run eagerly, only a
+    log line of torch's saying so (seen here: the ninth module compiled in one benchmark process
+    ran at eager speed)."""
+    _COMPILED_EMITS[0] += 1
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit")
+    if _COMPILED_EMITS[0] == limit + 1:
+        warnings.warn(
+            f"fxremat.compile: {_COMPILED_EMITS[0]} plans compiled with backend= in this process (modules and "
+            f"input signatures together) exceed torch._dynamo.config.recompile_limit ({limit}); Dynamo caches "
+            "each on fxremat's forward, so the ones beyond it may run eagerly. Raise it, e.g. "
+            "torch._dynamo.config.recompile_limit = 64, before their first step.", stacklevel=4)
 
 
 def _eager_between_graphs(fn):

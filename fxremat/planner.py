@@ -206,6 +206,7 @@ class _KusumotoDP(_Source):
 
     def __init__(self, graph: CostGraph, family, early_stop: bool = True):
         self.graph, self.early_stop, self.seconds = graph, early_stop, 0.0
+        self.whole_segments: _Candidate | None = None  # see fastest_within
         start = time.perf_counter()
         self.weightings = {False: (graph, kusumoto.build_tables(graph, family, early_stop=False))}
         if early_stop:
@@ -245,23 +246,30 @@ class _KusumotoDP(_Source):
         return best
 
     def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
-        """Bisect the DP budget in [budget, DP peak of no recomputation], under each weighting."""
+        """Bisect the DP budget in [budget, DP peak of no recomputation], under each weighting.
+        With the early stop, the fastest plan found under the whole-segment weighting alone is
+        kept too (``whole_segments``): a candidate for ``autotune`` where the two disagree."""
         best = least if least.peak_bytes <= budget else None
+        self.whole_segments = None
         plain_sol, _ = self._solve()
         for early_stop in self.weightings:
             lo, hi = budget, max(budget, plain_sol.peak_bytes)
-            _, cand = self._solve(lo, early_stop=early_stop)
-            if cand is not None and cand.peak_bytes <= budget:
-                best = _better(best, cand, _slack(self.graph))
+            found = [self._solve(lo, early_stop=early_stop)[1]]
             for _ in range(_BISECT_STEPS):
                 if hi - lo <= max(1, budget // 256):
                     break
                 mid = (lo + hi) // 2
                 _, cand = self._solve(mid, early_stop=early_stop)
+                found.append(cand)
                 if cand is not None and cand.peak_bytes <= budget:
-                    best, lo = _better(best, cand, _slack(self.graph)), mid
+                    lo = mid
                 else:
                     hi = mid
+            for cand in found:
+                if cand is not None and cand.peak_bytes <= budget:
+                    best = _better(best, cand, _slack(self.graph))
+                    if not early_stop and self.early_stop:
+                        self.whole_segments = _better(self.whole_segments, cand, _slack(self.graph))
         return best
 
 
@@ -376,7 +384,7 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     only ``"auto"``'s approximate source carries it). Off by default here; :func:`fxremat.compile`
     turns it on with a compiler backend, whose AOTAutograd backward recomputes no more than it
     reads and has no checkpoint mechanism (under Inductor on this CPU the ResNet chain at 0.5 ran
-    1.03x plain Inductor against 1.15x). By the cost models the plans it adds are far cheaper
+    1.04x plain Inductor against 1.12x). By the cost models the plans it adds are far cheaper
     (DenseNet-161 at 0.6: 2.5% against 13.6%), but through torch's checkpoint in eager they ran
     slower: the mechanism of their many small segments is undercounted (the ResNet chain at 0.6:
     +28.0% for +17.3% predicted, against +17.5% for the whole-segment plan;
@@ -416,7 +424,7 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
         return Choice(schedule=floor.schedule, strategy=floor_name, objective="memory-centric",
                       budget_bytes=floor.peak_bytes, baseline_peak_bytes=baseline, peak_bytes=floor.peak_bytes,
                       recompute_time=floor.recompute_time, solve_seconds=seconds(), num_lower_sets=sets, notes=notes,
-                      alternatives=_alternatives(ties))
+                      alternatives=_alternatives(ties.items()))
     if target < floor.peak_bytes:
         raise InfeasibleBudgetError(target, floor.peak_bytes)
     picks = {name: src.fastest_within(target, least[name]) for name, src in sources.items()
@@ -426,16 +434,19 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     for cand in sorted(picks.values(), key=lambda c: (c.recompute_time, c.peak_bytes)):
         best = _better(best, cand, _slack(graph))
     name = next(n for n, c in picks.items() if c is best)
+    whole = [(n, _fewer_checkpoints(graph, src.whole_segments, target)) for n, src in sources.items()
+             if n in picks and isinstance(src, _KusumotoDP) and src.whole_segments is not None]
     return Choice(schedule=best.schedule, strategy=name, objective="time-centric", budget_bytes=target,
                   baseline_peak_bytes=baseline, peak_bytes=best.peak_bytes, recompute_time=best.recompute_time,
-                  solve_seconds=seconds(), num_lower_sets=sets, notes=notes, alternatives=_alternatives(picks))
+                  solve_seconds=seconds(), num_lower_sets=sets, notes=notes,
+                  alternatives=_alternatives([*picks.items(), *whole]))
 
 
-def _alternatives(picks: dict[str, _Candidate]) -> tuple[tuple[str, Schedule, int, int], ...]:
-    """Distinct schedules of ``picks`` by (recompute time, peak): the first is the choice."""
+def _alternatives(picks) -> tuple[tuple[str, Schedule, int, int], ...]:
+    """Distinct schedules of ``picks`` (``(strategy, candidate)`` pairs) by (recompute time, peak):
+    the first is the choice."""
     seen, found = set(), []
-    for name in sorted(picks, key=lambda n: (picks[n].recompute_time, picks[n].peak_bytes)):
-        c = picks[name]
+    for name, c in sorted(picks, key=lambda p: (p[1].recompute_time, p[1].peak_bytes)):
         key = (c.schedule.segments, c.schedule.recomputed, c.schedule.inner)
         if key not in seen:
             seen.add(key)

@@ -8,6 +8,7 @@ saving node, and nothing for that node's kernel when it saves only its inputs.
 (The DP against brute force under both weightings: tests/test_kernels.py.)
 """
 
+import dataclasses
 import pathlib
 import sys
 
@@ -86,6 +87,52 @@ def test_early_stop_is_on_by_default_with_a_compiler_backend():
     assert plans["on"].predicted_overhead < 0.8 * plans["off"].predicted_overhead
     eager = fxremat.compile(model, 0.7, example_inputs=(x,), cost_model="compiled")
     assert eager._remat.config.dp_early_stop is False
+
+
+def test_the_whole_segment_plan_stays_a_candidate(compiled_graph):
+    """With the early stop the planner keeps the fastest plan of each weighting: the whole-segment
+    plan (what the DP picks without the early stop) is among the alternatives autotune times."""
+    graph, budget = dataclasses.replace(compiled_graph, param_grads_held=True), parse_budget(0.7)  # as under a backend
+    whole, early = choose(graph, budget, nested=False), choose(graph, budget, nested=False, early_stop=True)
+    assert early.schedule != whole.schedule
+    found = [(name, sched) for name, sched, _, _ in early.alternatives]
+    assert found[0] == (early.strategy, early.schedule)
+    assert (whole.strategy, whole.schedule) in found
+
+
+def test_autotune_times_compiled_steps_under_a_compiler_backend(monkeypatch):
+    """With ``backend=``, autotune compiles every candidate (and the plain graph) with that backend
+    and times those steps; it can then prefer the whole-segment plan to the early-stop one."""
+    from fxremat import api
+
+    compiled_graphs = []
+
+    def counting_backend(gm, example_inputs):
+        compiled_graphs.append(gm)
+        return gm.forward
+
+    timed = []
+
+    def step_times(modules, inputs, repeats):
+        timed.append(modules)
+        for m in modules:  # one step each, as the untimed round does: compiles them
+            loss = sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(m(*inputs)))
+            loss.backward()
+        return [10.0] + [20.0 - i for i in range(len(modules) - 1)]  # the last candidate is fastest
+
+    monkeypatch.setattr(api, "step_times", step_times)
+    model, x = _transformer()
+    tuned = fxremat.compile(model, 0.7, example_inputs=(x,), backend=counting_backend, autotune=8)
+    modules = timed[0]
+    assert all(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in modules)
+    assert len(compiled_graphs) >= len(modules)  # each compiled by the backend
+    trials = tuned.plan.autotune
+    assert len(trials) == len(modules) - 1 and trials[-1].chosen
+    assert tuned.plan.predicted_overhead == trials[-1].predicted_overhead
+    eager = fxremat.compile(model, 0.7, example_inputs=(x,), cost_model="compiled", autotune=2)
+    assert eager.plan.autotune and all(not isinstance(m, torch._dynamo.eval_frame.OptimizedModule)
+                                       for m in timed[-1])
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("fraction", [0.7, 0.5])

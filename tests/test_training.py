@@ -951,3 +951,40 @@ def test_compiled_cost_model_charges_fused_ops_a_fraction_of_their_traffic():
         assert fused[n].fwd_cost == pytest.approx(FUSED_TRAFFIC * flops[n].fwd_cost)
     for n in convs:
         assert flops[n].flops <= fused[n].fwd_cost < flops[n].fwd_cost
+
+
+def test_more_compiled_plans_than_dynamos_recompile_limit_warn(monkeypatch):
+    """Dynamo caches every emitted module on fxremat's forward code: with more plans compiled in
+    one process than ``recompile_limit``, the later ones run eagerly (the backend never sees
+    their graphs). fxremat.compile warns when that count is passed, and says to raise the limit;
+    raised, every module compiles."""
+    import warnings
+
+    from fxremat import api
+
+    def counting(seen):
+        def backend(gm, example_inputs):
+            seen.append(gm)
+            return gm.forward
+        return backend
+
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(256, 64)
+    for limit, warns in ((1, True), (4, False)):
+        torch._dynamo.reset()
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
+        monkeypatch.setattr(api, "_COMPILED_EMITS", [0])
+        seen, modules = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                modules.append(fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend=counting(seen)))
+        said = [w for w in caught if "recompile_limit" in str(w.message)]
+        assert bool(said) == warns and all("torch._dynamo.config.recompile_limit = 64" in str(w.message) for w in said)
+        compiled = []
+        for m in modules:
+            before = len(seen)
+            m(x).sum().backward()
+            compiled.append(len(seen) > before)
+        assert compiled == [True, not warns]  # beyond the limit Dynamo ran the second one eagerly
+    torch._dynamo.reset()
