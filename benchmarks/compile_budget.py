@@ -301,11 +301,12 @@ def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step, **options
 
 
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
-              inductor_budgets=(), whole_segments=False):
+              inductor_budgets=(), whole_segments=False, autotune=0):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
     Inductor])``. ``whole_segments``: each fxremat + Inductor budget also planned with
-    ``dp_early_stop=False`` (the DP charging whole segments, the eager default), timed in the same
-    loop.
+    ``dp_early_stop=False`` (the DP charging whole segments, the eager default), and with
+    ``autotune`` with ``autotune=autotune`` (its candidates compiled by Inductor and timed), timed
+    in the same loop.
 
     Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
     variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside
@@ -339,7 +340,8 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         model, seconds = _inductor(copy.deepcopy(base), fraction, x, step)
         compiled.append((f"{INDUCTOR} {fraction:g}", model, seconds))
     infeasible = []
-    planned = ({}, {"dp_early_stop": False}) if whole_segments else ({},)
+    planned = ({},) + (({"dp_early_stop": False},) if whole_segments else ()) + \
+        (({"autotune": autotune},) if autotune else ())
     for budget, options in [(b, o) for b in inductor_budgets for o in planned]:
         try:
             model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step, **options)
@@ -348,8 +350,8 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
                 infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
                                    f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
             continue
-        whole = ", whole segments" if options else ""
-        label = (f"torch.compile(fxremat {budget}{whole}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
+        how = "".join({"dp_early_stop": ", whole segments", "autotune": f", autotune {autotune}"}[k] for k in options)
+        label = (f"torch.compile(fxremat {budget}{how}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
                  f"MiB, {sum(s.recomputed for s in model.plan.segments)} recomputed segments)")
         compiled.append((label, model, seconds))
     together = _measure([plain, *compiled], x, step, with_grads, repeats)
@@ -406,7 +408,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-scale", type=int, default=1, help="multiply the net's batch (GPU-sized steps)")
     parser.add_argument("--whole-segments", action="store_true",
                         help="also plan each fxremat + Inductor budget with dp_early_stop=False, in the same loop")
+    parser.add_argument("--autotune", type=int, default=0, metavar="N",
+                        help="also plan each fxremat + Inductor budget with autotune=N (N >= 2), in the same loop")
     args = parser.parse_args(argv)
+    # every fxremat + Inductor row is one more entry in Dynamo's cache of fxremat's forward: with
+    # the default limit (8) the later rows ran eagerly (fxremat.compile warns of it)
+    torch._dynamo.config.recompile_limit = 64
     allocator = caching_heap()  # steps timed right after another variant's would follow its heap otherwise
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False here; leave --device at cpu")
@@ -418,7 +425,8 @@ def main(argv=None) -> int:
     x = torch.randn(*shape, device=args.device)
     budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
-                     repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments)
+                     repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments,
+                     autotune=args.autotune)
     gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
             f"{args.device.upper()})\n\n"

@@ -4,7 +4,9 @@
 #   2. real steps (benchmarks.run --only cpu): measured CUDA peak vs predicted vs the budget, step
 #      time vs plain, beside hand checkpointing, checkpoint_sequential and torch.compile's budget replay;
 #   3. time truth (benchmarks.time_truth): predicted vs measured overhead at 0.6 and 0.4, every strategy;
-#   4. Inductor (benchmarks.compile_budget): fxremat + Inductor beside plain Inductor on the U-Net;
+#   4. Inductor (benchmarks.compile_budget): fxremat + Inductor beside plain Inductor on the U-Net
+#      (INDUCTOR_NET=resnet_chain etc. for another net), each budget also with whole segments
+#      (dp_early_stop=False) in the same loop;
 #   5. torchvision's ResNet-50 at batch 64 through `fxremat bench` (measured and predicted peaks);
 #   6. (not in the default parts) time truth with dp_early_stop=True, to compare with part 3:
 #      on this CPU its plans ran slower than predicted (benchmarks/results/early_stop.md).
@@ -44,9 +46,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     timeout "${T_TIME:-150}" $py -m benchmarks.time_truth --budgets ${BUDGETS:-0.6 0.4} --repeats 7 --device "$device" \
         --batch-scale "$scale" --out "$out"
     want 4 && echo "== 4. Inductor" &&
-    timeout "${T_INDUCTOR:-130}" $py -m benchmarks.compile_budget --net unet --device "$device" \
+    timeout "${T_INDUCTOR:-180}" $py -m benchmarks.compile_budget --net "${INDUCTOR_NET:-unet}" --device "$device" \
         --batch-scale "$scale" --fractions 1.0 0.5 --fxremat-inductor ${INDUCTOR_BUDGETS:-0.7 min} --repeats 11 \
-        --out "$out"
+        --whole-segments --out "$out"
     want 5 && echo "== 5. a torchvision ResNet-50 at 0.5 (plain and compiled: measured and predicted peaks, step times)" &&
     timeout "${T_ZOO:-100}" $py -m fxremat.cli bench torchvision:resnet50 --input 64x3x224x224 --budget 0.5 \
         --device "$device" --autotune 0
