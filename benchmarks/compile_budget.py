@@ -303,10 +303,10 @@ def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step, **options
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
               inductor_budgets=(), whole_segments=False, autotune=0):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
-    Inductor])``. ``whole_segments``: each fxremat + Inductor budget also planned with
-    ``dp_early_stop=False`` (the DP charging whole segments, the eager default), and with
-    ``autotune`` with ``autotune=autotune`` (its candidates compiled by Inductor and timed), timed
-    in the same loop.
+    Inductor])``. Each fxremat + Inductor budget is also planned, and timed in the same loop, with
+    ``dp_early_stop=False`` where ``whole_segments`` (the DP charging whole segments, the eager
+    default), and with ``autotune=N`` where ``autotune`` is N >= 2 (its candidates compiled by
+    Inductor and timed).
 
     Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
     variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside

@@ -546,8 +546,9 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     node whose saved tensors the backward reads, which finds plans that end segments in
     convolutions and matrix products; on by default with a compiler backend, whose AOTAutograd
     backward recomputes no more than it reads (under Inductor on this CPU at 0.5: the ResNet chain
-    1.12x -> 1.04x plain Inductor, the U-Net 1.20x -> 1.15x, benchmarks/results/compile_inductor_*.md), off in eager, where they ran slower
-    through torch's checkpoint, see ``benchmarks/results/early_stop.md``).
+    1.12x -> 1.04x plain Inductor, the U-Net 1.20x -> 1.15x,
+    ``benchmarks/results/compile_inductor_*.md``), off in eager, where they ran slower through
+    torch's checkpoint, see ``benchmarks/results/early_stop.md``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
