@@ -845,7 +845,7 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     state.retrace(new)
 
 
-_COMPILED_EMITS = [0]  # emitted modules of RematModules compiled with backend=, in this process
+_COMPILED_EMITS = 0  # emitted modules of RematModules compiled with backend=, in this process
 
 
 def _count_compiled_emit() -> None:
@@ -854,11 +854,12 @@ def _count_compiled_emit() -> None:
     those beyond ``torch._dynamo.config.recompile_limit`` (8 by default) would run eagerly, only a
     log line of torch's saying so (seen here: the ninth module compiled in one benchmark process
     ran at eager speed)."""
-    _COMPILED_EMITS[0] += 1
+    global _COMPILED_EMITS
+    _COMPILED_EMITS += 1
     limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit")
-    if _COMPILED_EMITS[0] == limit + 1:
+    if _COMPILED_EMITS == limit + 1:
         warnings.warn(
-            f"fxremat.compile: {_COMPILED_EMITS[0]} plans compiled with backend= in this process (modules and "
+            f"fxremat.compile: {_COMPILED_EMITS} plans compiled with backend= in this process (modules and "
             f"input signatures together) exceed torch._dynamo.config.recompile_limit ({limit}); Dynamo caches "
             "each on fxremat's forward, so the ones beyond it may run eagerly. Raise it, e.g. "
             "torch._dynamo.config.recompile_limit = 64, before their first step.", stacklevel=4)

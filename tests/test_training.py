@@ -973,7 +973,7 @@ def test_more_compiled_plans_than_dynamos_recompile_limit_warn(monkeypatch):
     for limit, warns in ((1, True), (4, False)):
         torch._dynamo.reset()
         monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
-        monkeypatch.setattr(api, "_COMPILED_EMITS", [0])
+        monkeypatch.setattr(api, "_COMPILED_EMITS", 0)
         seen, modules = [], []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
