@@ -81,9 +81,17 @@ def test_plans_closer_than_the_slack_are_told_apart_by_their_peak():
     assert _better(fast, lean, 3) is fast and _better(lean, fast, 3) is fast and _better(lean, fast) is fast
 
 def test_checkpoint_costs_are_measured_and_not_negative():
-    costs = checkpoint_costs(torch.device("cpu"), repeats=3)
-    assert min(costs.per_checkpoint, costs.per_saved_tensor, costs.per_saved_mib) >= 0
-    assert costs.per_checkpoint + costs.per_saved_tensor > 0  # a checkpoint costs something on any clock
+    """Every fit is non-negative, and a checkpoint costs something on any clock. One fit is a
+    clock measurement: on a loaded machine (both cores busy) 2 fits in 25 put both terms at 0 (5 in
+    25 with 3 repeats, CI once), so the positive cost must show in one of three fits."""
+    fits = []
+    for _ in range(3):
+        costs = checkpoint_costs(torch.device("cpu"))
+        assert min(costs.per_checkpoint, costs.per_saved_tensor, costs.per_saved_mib) >= 0
+        fits.append(costs)
+        if costs.per_checkpoint + costs.per_saved_tensor > 0:
+            break
+    assert fits[-1].per_checkpoint + fits[-1].per_saved_tensor > 0, fits
 
 
 class _NormBlock(torch.nn.Module):
