@@ -35,8 +35,11 @@ step times interleaved. It writes ``compile_inductor_<net>.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import fcntl
 import functools
+import os
 import pathlib
 import statistics
 import sys
@@ -300,13 +303,30 @@ def _fxremat_inductor(model: nn.Module, budget, x: torch.Tensor, step, **options
     return compiled, time.perf_counter() - start
 
 
+@contextlib.contextmanager
+def _exclusive(path):
+    """An exclusive ``flock`` on ``path`` while the block runs (nothing with ``path`` None): the
+    processes of one device session compile side by side and time one at a time."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
-              inductor_budgets=(), whole_segments=False, autotune=0):
+              inductor_budgets=(), whole_segments=False, autotune=0, compiled_only=False, timing_lock=None):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
     Inductor])``. Each fxremat + Inductor budget is also planned, and timed in the same loop, with
     ``dp_early_stop=False`` where ``whole_segments`` (the DP charging whole segments, the eager
     default), and with ``autotune=N`` where ``autotune`` is N >= 2 (its candidates compiled by
-    Inductor and timed).
+    Inductor and timed). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
+    loop); with ``timing_lock`` (a path) the eager rows and each timing loop run under an exclusive
+    lock on it, the compiles outside it, so that several processes can share one device.
 
     Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
     variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside
@@ -314,16 +334,26 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
     loop with plain eager, so each one's step over plain Inductor (the fraction 1.0 row) comes from
     one loop.
     """
-    import fxremat
-
     torch.manual_seed(0)
     base = build().to(x.device)
     plain = ("plain eager", copy.deepcopy(base), 0.0)
+    rows = [] if compiled_only else _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets,
+                                                repeats, timing_lock)
+    torch._dynamo.reset()
+    return rows + _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments,
+                                 autotune, repeats, timing_lock, with_plain=compiled_only)
+
+
+def _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets, repeats, timing_lock):
+    """Plain eager, fxremat (eager) at each budget and the replay at each fraction, in one loop."""
+    import fxremat
+
     variants = [plain]
     for budget in fxremat_budgets:
         start = time.perf_counter()
         try:
-            compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
+            with _exclusive(timing_lock):  # the measured cost model times the graph's nodes
+                compiled = fxremat.compile(copy.deepcopy(base), budget, example_inputs=(x,))
         except fxremat.InfeasibleBudgetError as exc:  # (on CUDA the convolutions' workspaces count)
             print(f"fxremat {budget}: {exc}", flush=True)
             continue
@@ -331,10 +361,18 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
     for fraction in fractions:
         replay = CompileBudget(copy.deepcopy(base), fraction, x, step)
         variants.append((f"replay {fraction:g}", replay, replay.compile_seconds))
-    measured = _measure(variants, x, step, with_grads, repeats)
-    rows = [(label, tracked, allocated, _ratio(times, measured["plain eager"][2]), seconds)
+    with _exclusive(timing_lock):
+        measured = _measure(variants, x, step, with_grads, repeats)
+    return [(label, tracked, allocated, _ratio(times, measured["plain eager"][2]), seconds)
             for (label, _, seconds), (tracked, allocated, times) in zip(variants, measured.values())]
-    torch._dynamo.reset()
+
+
+def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments, autotune,
+                   repeats, timing_lock, with_plain=False):
+    """Every compiled variant, compiled beside the others, timed in one loop with plain eager (its
+    row first where ``with_plain``)."""
+    import fxremat
+
     compiled = []
     for fraction in sorted(set(fractions) | {1.0}, reverse=True):
         model, seconds = _inductor(copy.deepcopy(base), fraction, x, step)
@@ -344,7 +382,8 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         (({"autotune": autotune},) if autotune else ())
     for budget, options in [(b, o) for b in inductor_budgets for o in planned]:
         try:
-            model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step, **options)
+            with _exclusive(timing_lock if "autotune" in options else None):  # autotune times its candidates
+                model, seconds = _fxremat_inductor(copy.deepcopy(base), budget, x, step, **options)
         except fxremat.InfeasibleBudgetError as exc:
             if not options:
                 infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
@@ -354,11 +393,13 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
         label = (f"torch.compile(fxremat {budget}{how}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
                  f"MiB, {sum(s.recomputed for s in model.plan.segments)} recomputed segments)")
         compiled.append((label, model, seconds))
-    together = _measure([plain, *compiled], x, step, with_grads, repeats)
+    with _exclusive(timing_lock):
+        together = _measure([plain, *compiled], x, step, with_grads, repeats)
     inductor_times = together[f"{INDUCTOR} 1"][2]
-    for label, _, seconds in compiled:
-        _, allocated, times = together[label]
-        rows.append((label, None, allocated, _ratio(times, together["plain eager"][2]), seconds,
+    rows = []
+    for label, _, seconds in [plain, *compiled] if with_plain else compiled:
+        tracked, allocated, times = together[label]
+        rows.append((label, tracked, allocated, _ratio(times, together["plain eager"][2]), seconds,
                      _ratio(times, inductor_times)))
     return rows + infeasible
 
@@ -392,6 +433,17 @@ def _transformer(size="small"):
     return transformer_stack(depth=4, dim=64, heads=4)
 
 
+def _cores(spec: str) -> set[int]:
+    """``"2-4,7"`` -> ``{2, 3, 4, 7}``; an empty set for a malformed list."""
+    cores = set()
+    for part in spec.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or not (high or low).isdigit():
+            return set()
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
 def main(argv=None) -> int:
     nets = {name: (build, shape) for name, build, shape, _ in cpu_nets(full=False)}
     nets["transformer"] = (_transformer, (4, 128, 64))
@@ -410,7 +462,22 @@ def main(argv=None) -> int:
                         help="also plan each fxremat + Inductor budget with dp_early_stop=False, in the same loop")
     parser.add_argument("--autotune", type=int, default=0, metavar="N",
                         help="also plan each fxremat + Inductor budget with autotune=N (N >= 2), in the same loop")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="leave out the eager fxremat and replay rows: plain eager and the compiled rows only")
+    parser.add_argument("--timing-lock", default=None, metavar="PATH",
+                        help="time (and plan with measured costs) only while holding an exclusive lock on PATH, "
+                        "compile outside it: several processes (one net each) can then share one device; peaks "
+                        "stay exact, step ratios are disturbed by the others' compiles (see the header it writes)")
+    parser.add_argument("--cores", default=None, metavar="LIST",
+                        help="run on these CPU cores only (e.g. 2-4 or 0,1; Inductor's compile workers too)")
     args = parser.parse_args(argv)
+    if args.cores is not None:
+        cores = _cores(args.cores)
+        if not cores or not cores <= os.sched_getaffinity(0):
+            parser.error(f"--cores {args.cores!r}: give cores of this machine, a subset of "
+                         f"{sorted(os.sched_getaffinity(0))} (e.g. 0-3 or 0,2)")
+        os.sched_setaffinity(0, cores)
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(len(cores)))
     # every fxremat + Inductor row is one more entry in Dynamo's cache of fxremat's forward: with
     # the default limit (8) the later rows ran eagerly (fxremat.compile warns of it)
     torch._dynamo.config.recompile_limit = 64
@@ -426,7 +493,7 @@ def main(argv=None) -> int:
     budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
                      repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments,
-                     autotune=args.autotune)
+                     autotune=args.autotune, compiled_only=args.compiled_only, timing_lock=args.timing_lock)
     gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
             f"{args.device.upper()})\n\n"
@@ -444,6 +511,11 @@ def main(argv=None) -> int:
             "interleaved loop; every compiled row (torch.compile at each fraction, fxremat + Inductor at each "
             "budget, each compiled with code objects of its own so that Dynamo keeps their graphs apart) in a "
             "second one with plain eager, so step / plain Inductor compares rows of one loop.\n\n"
+            + ("This run compiled beside other processes on the same machine (`--timing-lock`, each process on "
+               "cores of its own: `--cores`) and timed only while it held the lock, alone on the device but not on "
+               "the machine: the others' compiles went on, so its step ratios are disturbed (on an H200, the "
+               "transformer's fxremat 0.5 row read 1.16x plain Inductor so and 0.97x in a run alone). Its peaks are "
+               "exact.\n\n" if args.timing_lock else "")
             + calibration_table(rows) + "\n")
     out = pathlib.Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
         "cuda" if args.device == "cuda" else "")

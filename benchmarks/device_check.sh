@@ -9,7 +9,11 @@
 #      (dp_early_stop=False) in the same loop;
 #   5. torchvision's ResNet-50 at batch 64 through `fxremat bench` (measured and predicted peaks);
 #   6. (not in the default parts) time truth with dp_early_stop=True, to compare with part 3:
-#      on this CPU its plans ran slower than predicted (benchmarks/results/early_stop.md).
+#      on this CPU its plans ran slower than predicted (benchmarks/results/early_stop.md);
+#   7. (not in the default parts) Inductor on all four nets at once (U-Net, PSPNet, ResNet chain,
+#      transformer): each process on a quarter of the cores, compiling beside the others and timing
+#      only under a lock (`compile_budget --cores --timing-lock`): four nets' peaks in one call
+#      (~6 minutes on an H200), step ratios disturbed by the others' compiles (the tables say so).
 # Each part has its own time limit, so one that fails or runs long leaves the others their time;
 # every part writes its table as it goes.
 #
@@ -55,5 +59,21 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     want 6 && echo "== 6. time truth, dp_early_stop=True" &&
     timeout "${T_EARLY:-150}" $py -m benchmarks.time_truth --budgets ${BUDGETS:-0.6 0.4} --repeats 7 --device "$device" \
         --batch-scale "$scale" --out "$out" --dp-early-stop
+    if want 7 && (( $(nproc) < 4 )); then
+        echo "== 7. skipped: four nets at once need 4 cores or more, this machine has $(nproc)"
+    elif want 7; then
+        echo "== 7. Inductor on four nets at once (compiled side by side, timed one at a time)"
+        lock=$(mktemp) quarter=$(( $(nproc) / 4 ))
+        i=0
+        for net in unet pspnet resnet_chain transformer; do
+            timeout "${T_FOUR:-430}" $py -m benchmarks.compile_budget --net $net --device "$device" \
+                --batch-scale "$scale" --fractions 1.0 0.5 0.3 --fxremat-inductor ${INDUCTOR_BUDGETS:-0.7 0.5 min} \
+                --repeats 11 --compiled-only --timing-lock "$lock" --cores $(( i * quarter ))-$(( i * quarter + quarter - 1 )) \
+                --out "$out" > "/tmp/compile_inductor_$net.log" 2>&1 &
+            i=$(( i + 1 ))
+        done
+        wait
+        tail -n 12 /tmp/compile_inductor_*.log
+    fi
     date -u
 } 2>&1 | tee "$out/device_check.log"
