@@ -326,7 +326,13 @@ def test_cuda_measured_peak_matches_the_prediction(budget):
     """On CUDA the measured peak is the caching allocator's, cuDNN's convolution workspaces
     included; the plan counts them (fxremat.measure.AllocatorPeak) and keeps within the budget
     (halfway between the least feasible peak and the plain one: on an H200 the workspaces put
-    0.5 of the plain peak out of reach for this net)."""
+    0.5 of the plain peak out of reach for this net).
+
+    The bytes the step's ops request must match the prediction within 2%. The allocated bytes
+    may exceed them by one cached block's slack: the allocator hands out a free block without
+    splitting it when less than 1 MiB would be left over, and counts the whole block (on an H200,
+    plan "none": a 9457351-byte cuDNN workspace served from a 10 MiB block, +1028096 bytes, 2.1%
+    of this small step, where the uncompiled model's step had reused another block)."""
     torch.manual_seed(0)
     model = small_unet().cuda()
     x = torch.randn(16, 3, 64, 64, device="cuda")
@@ -335,9 +341,13 @@ def test_cuda_measured_peak_matches_the_prediction(budget):
         budget = (least.predicted_peak_bytes + least.baseline_peak_bytes) // 2
     compiled = with_grads(fxremat.compile(model, 1.0 if budget == "plain" else budget, example_inputs=(x,)))
     train_step(compiled, x)
-    _, peak = fxremat.measure_peak(train_step, compiled, x)
+    torch.cuda.synchronize()
+    requested_before = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    _, peak = fxremat.measure_peak(train_step, compiled, x)  # resets the peak statistics on entry
+    requested = torch.cuda.memory_stats()["requested_bytes.all.peak"] - requested_before
     plan = compiled.plan
-    assert abs(peak / plan.predicted_peak_bytes - 1) <= 0.02, (peak, plan.predicted_peak_bytes)
+    assert abs(requested / plan.predicted_peak_bytes - 1) <= 0.02, (requested, plan.predicted_peak_bytes)
+    assert peak <= 1.02 * plan.predicted_peak_bytes + 2**20, (peak, requested, plan.predicted_peak_bytes)
     assert peak <= 1.05 * plan.budget_bytes
 
 
