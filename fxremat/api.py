@@ -66,7 +66,7 @@ class _Config:
     plan: Plan | None
     rotor_slots: int
     autotune: int = 0
-    dp_early_stop: bool = False
+    dp_early_stop: bool | None = False  # None: by the device (_early_stop)
     leaf_modules: tuple = ()
     nested: bool = True  # False with a compiler backend: "auto" plans without nested checkpoints
     one_backward: bool = False  # True with a compiler backend: the backward is one graph (CostGraph.param_grads_held)
@@ -105,8 +105,9 @@ def _config(budget, strategy, cost_model, options, *, api: str = "compile", leaf
         raise ValueError(f"fxremat.{api}: autotune takes True/False or the number of candidate plans to time "
                          f"(an int >= 2; 0 is off), got {tune!r}")
     _positive_int(api, "exact_cap", merged["exact_cap"], allow_none=True)
-    if not isinstance(merged["dp_early_stop"], bool):
-        raise TypeError(f"fxremat.{api}: dp_early_stop takes True or False, got {merged['dp_early_stop']!r}")
+    if merged["dp_early_stop"] is not None and not isinstance(merged["dp_early_stop"], bool):
+        raise TypeError(f"fxremat.{api}: dp_early_stop takes True, False or None (by the device the steps run "
+                        f"on), got {merged['dp_early_stop']!r}")
     return _Config(parse_budget(budget), strategy, cost_model, **merged, leaf_modules=tuple(leaf_modules))
 
 
@@ -268,6 +269,20 @@ def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:
     return simulate(graph, Schedule.plain(graph.n)) + plain_extra_bytes
 
 
+def _early_stop(config: _Config, gm: fx.GraphModule, inputs: tuple) -> bool:
+    """Whether the DP also charges a recomputed segment only up to its last saved-tensor reader:
+    ``config.dp_early_stop``, or where it is ``None`` (the default with a compiler backend), on for
+    steps on the CPU and off for steps on CUDA. Under Inductor on this repository's CPU its plans
+    ran faster (at 0.5: ResNet chain 1.12x -> 1.04x plain Inductor, U-Net 1.20x -> 1.15x); on an
+    H200 they ran slower (transformer at 0.7: 1.15x against 0.94x with whole segments, one loop;
+    U-Net at 0.7: 1.12x at 532 MiB against 1.08x at 511 MiB in an earlier session), see
+    ``benchmarks/results/cuda/compile_inductor_*.md``."""
+    if config.dp_early_stop is not None:
+        return config.dp_early_stop
+    tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)] + list(gm.parameters())
+    return not any(t.device.type == "cuda" for t in tensors)
+
+
 def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
                 plain_extra_bytes: int | None = None) -> tuple[Plan, GraphCosts | None]:
     """The pipeline after tracing, for :func:`compile`, :func:`plan` and the CLI: a saved plan
@@ -281,7 +296,7 @@ def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
                         rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes),
-                        nested=config.nested, early_stop=config.dp_early_stop)
+                        nested=config.nested, early_stop=_early_stop(config, gm, inputs))
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
         return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend), costs
@@ -544,11 +559,12 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     compiler ``backend`` each candidate is compiled by it and timed compiled),
     ``dp_early_stop`` (also solve the DP with a recomputed segment charged only up to its last
     node whose saved tensors the backward reads, which finds plans that end segments in
-    convolutions and matrix products; on by default with a compiler backend, whose AOTAutograd
-    backward recomputes no more than it reads (under Inductor on this CPU at 0.5: the ResNet chain
-    1.12x -> 1.04x plain Inductor, the U-Net 1.20x -> 1.15x,
-    ``benchmarks/results/compile_inductor_*.md``), off in eager, where they ran slower through
-    torch's checkpoint, see ``benchmarks/results/early_stop.md``).
+    convolutions and matrix products; ``None``, the default with a compiler backend, whose
+    AOTAutograd backward recomputes no more than it reads, turns it on for steps on the CPU
+    (under Inductor at 0.5: the ResNet chain 1.12x -> 1.04x plain Inductor, the U-Net 1.20x ->
+    1.15x, ``benchmarks/results/compile_inductor_*.md``) and off on CUDA, where such plans ran
+    slower (``benchmarks/results/cuda/``); off in eager, where they ran slower through torch's
+    checkpoint, see ``benchmarks/results/early_stop.md``).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxremat.compile: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -561,7 +577,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                          f"(torch._dynamo.list_backends() lists them)")
     if cost_model is None:
         cost_model = "measured" if backend == "eager" else "compiled"
-    options.setdefault("dp_early_stop", backend != "eager")
+    options.setdefault("dp_early_stop", None if backend != "eager" else False)
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),
                      nested=backend == "eager", one_backward=backend != "eager", backend=backend)
@@ -704,7 +720,8 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
             best = cand if best is None or cand[:2] < best[:2] else best
     if best is None:
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, nested=config.nested, early_stop=config.dp_early_stop)
+                        rotor_slots=config.rotor_slots, nested=config.nested,
+                        early_stop=_early_stop(config, gm, inputs))
     else:
         rtime, peak, schedule, plan_ = best
         choice = Choice(schedule=schedule, strategy=plan_.strategy, objective=plan_.objective, budget_bytes=target,

@@ -3,7 +3,7 @@ saving node, and nothing for that node's kernel when it saves only its inputs.
 
 - the planner finds the cheaper plans this allows (segments ending in a matrix product), which
   the whole-segment DP could not, and their peak, prediction and numerics hold when trained;
-- it is opt-in in eager (``dp_early_stop=True``) and on by default with a compiler backend;
+- it is opt-in in eager (``dp_early_stop=True``) and on by default with a compiler backend on the CPU;
 - ``kusumoto.solve``'s ``time_bound`` does not change its answer.
 (The DP against brute force under both weightings: tests/test_kernels.py.)
 """
@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fxremat
 from fxremat.budget import parse_budget
@@ -69,24 +70,36 @@ def test_early_stop_is_opt_in_for_eager_plans():
     default = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled")
     on = fxremat.plan(model, 0.7, example_inputs=(x,), cost_model="compiled", dp_early_stop=True)
     assert on.predicted_overhead < 0.8 * default.predicted_overhead
-    with pytest.raises(TypeError, match="dp_early_stop takes True or False, got 'yes'"):
+    with pytest.raises(TypeError, match="dp_early_stop takes True, False or None .*, got 'yes'"):
         fxremat.plan(model, 0.7, example_inputs=(x,), dp_early_stop="yes")
 
 
-def test_early_stop_is_on_by_default_with_a_compiler_backend():
+def test_early_stop_is_on_by_default_with_a_compiler_backend_on_the_cpu():
     """With a compiler backend AOTAutograd's backward recomputes only what it reads, so
-    ``fxremat.compile(..., backend=...)`` plans with the early stop unless told otherwise."""
+    ``fxremat.compile(..., backend=...)`` plans CPU steps with the early stop unless told
+    otherwise, and CUDA steps without it (its plans ran slower there under Inductor)."""
+    from fxremat import api
+
     model, x = _transformer()
     plans = {}
     for label, options in (("default", {}), ("on", {"dp_early_stop": True}), ("off", {"dp_early_stop": False})):
         compiled = fxremat.compile(model, 0.7, example_inputs=(x,), backend="aot_eager", **options)
         plans[label] = compiled.plan
-        assert compiled._remat.config.dp_early_stop is (label != "off")
+        assert compiled._remat.config.dp_early_stop is {"default": None, "on": True, "off": False}[label]
     assert plans["default"].segments == plans["on"].segments
     assert plans["default"].predicted_overhead == plans["on"].predicted_overhead
     assert plans["on"].predicted_overhead < 0.8 * plans["off"].predicted_overhead
     eager = fxremat.compile(model, 0.7, example_inputs=(x,), cost_model="compiled")
     assert eager._remat.config.dp_early_stop is False
+    # the device rule, on a CUDA input this CPU can make only as a fake tensor
+    default = compiled._remat.config
+    gm = compiled._remat.traced
+    with FakeTensorMode():
+        on_cuda = torch.empty(x.shape, device="cuda")
+    assert api._early_stop(dataclasses.replace(default, dp_early_stop=None), gm, (x,)) is True
+    assert api._early_stop(dataclasses.replace(default, dp_early_stop=None), gm, (on_cuda,)) is False
+    assert api._early_stop(dataclasses.replace(default, dp_early_stop=True), gm, (on_cuda,)) is True
+    assert api._early_stop(dataclasses.replace(default, dp_early_stop=False), gm, (x,)) is False
 
 
 def test_the_whole_segment_plan_stays_a_candidate(compiled_graph):
