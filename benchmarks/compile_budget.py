@@ -49,7 +49,8 @@ import types
 import torch
 from torch import nn
 
-from fxremat.measure import AllocatorPeak, LiveStorageTracker
+from fxremat import measure
+from fxremat.measure import LiveStorageTracker
 
 from .harness import ROOT, caching_heap, load_average, step, timed_step, with_grads
 from .nets import cpu_nets
@@ -218,28 +219,11 @@ def describe(rows) -> str:
 
 
 def allocated_peak(fn, *args) -> int:
-    """Peak of the running sum of the profiler's CPU allocation events during ``fn(*args)``; with a
-    CUDA tensor among ``args``, ``torch.cuda.max_memory_allocated`` above what was allocated before.
-
-    Unlike the tracker it sees every allocation (op workspaces, Inductor's own buffers), so it
-    is the metric under which Inductor and eager can be compared.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
+    """:func:`fxremat.measure.allocated_peak` of ``fn(*args)`` on the device of the first CUDA
+    tensor among ``args`` (the CPU without one): every allocation, op workspaces and Inductor's
+    own buffers included, so the metric under which Inductor and eager can be compared."""
     cuda = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-    if cuda is not None:
-        with AllocatorPeak(cuda) as allocator:
-            fn(*args)
-        return allocator.peak_bytes
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn(*args)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    return measure.allocated_peak(fn, *args, device=cuda)
 
 
 def _own_code(model: nn.Module, tag: str) -> nn.Module:
@@ -319,12 +303,14 @@ def _exclusive(path):
 
 
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
-              inductor_budgets=(), whole_segments=False, autotune=0, compiled_only=False, timing_lock=None):
+              inductor_budgets=(), whole_segments=False, autotune=0, compiled_only=False, timing_lock=None,
+              unfitted=False):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
     Inductor])``. Each fxremat + Inductor budget is also planned, and timed in the same loop, with
     ``dp_early_stop=False`` where ``whole_segments`` (the DP charging whole segments, the eager
     default), and with ``autotune=N`` where ``autotune`` is N >= 2 (its candidates compiled by
-    Inductor and timed). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
+    Inductor and timed), and with ``fit_compiled_peak=False`` where ``unfitted`` (the plan as made,
+    not fitted to the compiled step's measured peak). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
     loop); with ``timing_lock`` (a path) the eager rows and each timing loop run under an exclusive
     lock on it, the compiles outside it, so that several processes can share one device.
 
@@ -341,7 +327,7 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
                                                 repeats, timing_lock)
     torch._dynamo.reset()
     return rows + _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments,
-                                 autotune, repeats, timing_lock, with_plain=compiled_only)
+                                 autotune, repeats, timing_lock, with_plain=compiled_only, unfitted=unfitted)
 
 
 def _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets, repeats, timing_lock):
@@ -368,7 +354,7 @@ def _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets, re
 
 
 def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments, autotune,
-                   repeats, timing_lock, with_plain=False):
+                   repeats, timing_lock, with_plain=False, unfitted=False):
     """Every compiled variant, compiled beside the others, timed in one loop with plain eager (its
     row first where ``with_plain``)."""
     import fxremat
@@ -379,7 +365,7 @@ def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets
         compiled.append((f"{INDUCTOR} {fraction:g}", model, seconds))
     infeasible = []
     planned = ({},) + (({"dp_early_stop": False},) if whole_segments else ()) + \
-        (({"autotune": autotune},) if autotune else ())
+        (({"autotune": autotune},) if autotune else ()) + (({"fit_compiled_peak": False},) if unfitted else ())
     for budget, options in [(b, o) for b in inductor_budgets for o in planned]:
         try:
             with _exclusive(timing_lock if "autotune" in options else None):  # autotune times its candidates
@@ -389,7 +375,8 @@ def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets
                 infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
                                    f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
             continue
-        how = "".join({"dp_early_stop": ", whole segments", "autotune": f", autotune {autotune}"}[k] for k in options)
+        how = "".join({"dp_early_stop": ", whole segments", "autotune": f", autotune {autotune}",
+                       "fit_compiled_peak": ", not fitted"}[k] for k in options)
         label = (f"torch.compile(fxremat {budget}{how}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
                  f"MiB, {sum(s.recomputed for s in model.plan.segments)} recomputed segments)")
         compiled.append((label, model, seconds))
@@ -462,6 +449,8 @@ def main(argv=None) -> int:
                         help="also plan each fxremat + Inductor budget with dp_early_stop=False, in the same loop")
     parser.add_argument("--autotune", type=int, default=0, metavar="N",
                         help="also plan each fxremat + Inductor budget with autotune=N (N >= 2), in the same loop")
+    parser.add_argument("--unfitted", action="store_true",
+                        help="also plan each fxremat + Inductor budget with fit_compiled_peak=False, in the same loop")
     parser.add_argument("--compiled-only", action="store_true",
                         help="leave out the eager fxremat and replay rows: plain eager and the compiled rows only")
     parser.add_argument("--timing-lock", default=None, metavar="PATH",
@@ -493,7 +482,8 @@ def main(argv=None) -> int:
     budgets = tuple(b if b == "min" else float(b) for b in args.fxremat_inductor)
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
                      repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments,
-                     autotune=args.autotune, compiled_only=args.compiled_only, timing_lock=args.timing_lock)
+                     autotune=args.autotune, compiled_only=args.compiled_only, timing_lock=args.timing_lock,
+                     unfitted=args.unfitted)
     gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
             f"{args.device.upper()})\n\n"

@@ -27,7 +27,8 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .budget import parse_budget
-from .errors import PlanBudgetError
+from .errors import InfeasibleBudgetError, PlanBudgetError, format_bytes
+from .measure import allocated_peak, default_loss
 from .core import CostGraph, Schedule
 from .passes.calibrate import calibrate
 from .passes.lower import build_graph
@@ -50,9 +51,10 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 log = logging.getLogger("fxremat")
 
 _OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None,
-            "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0, "dp_early_stop": False}
+            "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0, "dp_early_stop": False, "fit_compiled_peak": None}
 AUTOTUNE_CANDIDATES = 4  # autotune=True times this many candidate plans
 AUTOTUNE_STEPS = 5  # timed steps per candidate (after an untimed one), interleaved
+FIT_REPLANS = 2  # fit_compiled_peak: plans made again, at most, for a compiled step over its budget
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class _Config:
     rotor_slots: int
     autotune: int = 0
     dp_early_stop: bool | None = False  # None: by the device (_early_stop)
+    fit_compiled_peak: bool | None = None  # None: on with a compiler backend (compile)
     leaf_modules: tuple = ()
     nested: bool = True  # False with a compiler backend: "auto" plans without nested checkpoints
     one_backward: bool = False  # True with a compiler backend: the backward is one graph (CostGraph.param_grads_held)
@@ -105,6 +108,11 @@ def _config(budget, strategy, cost_model, options, *, api: str = "compile", leaf
         raise ValueError(f"fxremat.{api}: autotune takes True/False or the number of candidate plans to time "
                          f"(an int >= 2; 0 is off), got {tune!r}")
     _positive_int(api, "exact_cap", merged["exact_cap"], allow_none=True)
+    if merged["fit_compiled_peak"] is not None and not isinstance(merged["fit_compiled_peak"], bool):
+        raise TypeError(f"fxremat.{api}: fit_compiled_peak takes True or False, got {merged['fit_compiled_peak']!r}")
+    if merged["fit_compiled_peak"] and api != "compile":
+        raise TypeError(f"fxremat.{api}: fit_compiled_peak=True measures compiled steps, which only "
+                        "fxremat.compile(..., backend=...) runs; leave it out here")
     if merged["dp_early_stop"] is not None and not isinstance(merged["dp_early_stop"], bool):
         raise TypeError(f"fxremat.{api}: dp_early_stop takes True, False or None (by the device the steps run "
                         f"on), got {merged['dp_early_stop']!r}")
@@ -293,14 +301,20 @@ def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
     if config.plan is not None:
         return _saved_plan(gm, inputs, config, origin, plain_extra_bytes), None
     graph, costs = _lowered(gm, inputs, config)
+    return _chosen(gm, inputs, graph, costs, config, plain_extra_bytes), costs
+
+
+def _chosen(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphCosts, config: _Config,
+            plain_extra_bytes: int | None = None) -> Plan:
+    """Solve a lowered graph under ``config`` (autotuning where it asks) and make the Plan."""
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
                         rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes),
                         nested=config.nested, early_stop=_early_stop(config, gm, inputs))
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
-        return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend), costs
-    return _plan_from(graph, choice, costs.cost_model, nodes=nodes, key=key), costs
+        return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend)
+    return _plan_from(graph, choice, costs.cost_model, nodes=nodes, key=key)
 
 
 def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choice, costs: GraphCosts,
@@ -557,6 +571,10 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     best candidate plans — each strategy's fastest predicted within the budget — for a few real
     steps on the example inputs and keep the fastest measured; ``plan.autotune`` lists them; with a
     compiler ``backend`` each candidate is compiled by it and timed compiled),
+    ``fit_compiled_peak`` (on by default with a compiler ``backend`` and ``example_inputs``:
+    measure one compiled step on the example inputs and, where the compiler's own buffers take it
+    over the budget, plan again under a budget lowered by the excess; ``plan.notes`` says what was
+    measured; see :func:`_fit_compiled_peak`),
     ``dp_early_stop`` (also solve the DP with a recomputed segment charged only up to its last
     node whose saved tensors the backward reads, which finds plans that end segments in
     convolutions and matrix products; ``None``, the default with a compiler backend, whose
@@ -578,6 +596,10 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if cost_model is None:
         cost_model = "measured" if backend == "eager" else "compiled"
     options.setdefault("dp_early_stop", None if backend != "eager" else False)
+    if options.get("fit_compiled_peak") and backend == "eager":
+        raise ValueError("fxremat.compile: fit_compiled_peak=True measures the compiled step, and backend is 'eager'; "
+                         "pass backend='inductor' (or another torch.compile backend), or leave fit_compiled_peak out")
+    options.setdefault("fit_compiled_peak", backend != "eager")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),
                      nested=backend == "eager", one_backward=backend != "eager", backend=backend)
@@ -592,7 +614,91 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
             remat._prepare(remat._bind(args, kwargs))
     if backend != "eager":
         remat.compile(backend=backend)
+        if example_inputs is not None and config.fit_compiled_peak:
+            _fit_compiled_peak(remat, args, kwargs)
     return remat
+
+
+def _compiled_step_peak(remat: "RematModule", args: tuple, kwargs: dict) -> int:
+    """The allocated peak (:func:`fxremat.measure.allocated_peak`) of one training step of the
+    compiled ``remat`` on these inputs (in training mode whatever its mode), after an untimed one
+    that compiles it, the output held to its end as the prediction assumes: every parameter has
+    a ``.grad`` (zeros), accumulated in place as in training, so gradients count as in the plan;
+    the model's buffers, RNG states and ``.grad`` are put back."""
+    params = [p for p in remat.parameters() if p.requires_grad]
+    grads = [p.grad for p in params]
+    tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)] + params
+    device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+
+    def step():  # written as the plan assumes: the output held until the step ends
+        out = remat(*args, **kwargs)
+        default_loss(out).backward()
+        return out
+
+    was_training = remat.training
+    try:  # a training step, also for a model compiled in eval(): what the plan is for
+        with preserved_state(remat._remat.model), _training_mode(remat._remat.model), torch.enable_grad():
+            remat.training = True
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            step()  # compiles
+            return allocated_peak(step, device=device)
+    finally:
+        remat.training = was_training
+        for p, g in zip(params, grads):
+            p.grad = g
+
+
+def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
+    """Make the example inputs' plan honour the budget as the compiled step measures it.
+
+    A compiler keeps buffers of its own that the plan's simulator does not see (Inductor's layout
+    copies on the CPU, its kernels' temporaries): one compiled step on the example inputs is
+    measured (:func:`_compiled_step_peak`) and, where it exceeds the budget, the plan is made again
+    for a budget lowered by the excess (the least feasible one where that is below it; the
+    graph's profile reused; without autotune), up to :data:`FIT_REPLANS` times. Kept: the fastest
+    predicted plan that measured within the budget, else the one that measured least (a warning
+    past 1.05x the budget). ``plan.notes`` says what was measured."""
+    state = remat._remat
+    config = state.config
+    if state.traced is None or config.plan is not None or config.budget.minimum or not _may_recompute(config):
+        return
+    inputs = remat._bind(args, kwargs)
+    key = _signature(inputs)
+    plan = state.cache[key][0]
+    target = plan.budget_bytes
+    costs = state.timed[_layout(key)]
+    graph = replace(build_graph(state.traced, costs), param_grads_held=config.one_backward)
+    tried = []
+    with _stage("fitting", f"the compiled step's peak to the budget ({_backend_name(config.backend)})"):
+        while True:
+            peak = _compiled_step_peak(remat, args, kwargs)
+            tried.append((plan, peak))
+            if peak <= target or len(tried) > FIT_REPLANS:
+                break
+            lowered = plan.predicted_peak_bytes - (peak - target)
+            try:
+                new = _chosen(state.traced, inputs, graph, costs,
+                              replace(config, budget=parse_budget(max(2, lowered)), autotune=0))
+            except InfeasibleBudgetError:  # below the least feasible peak: the least, once
+                new = _chosen(state.traced, inputs, graph, costs, replace(config, budget=parse_budget("min"),
+                                                                           autotune=0))
+            if any(_segmentation(new.segments) == _segmentation(p.segments) for p, _ in tried):
+                break
+            plan = replace(new, budget_bytes=target)
+            state.install(key, plan)
+    fitting = [t for t in tried if t[1] <= target]
+    plan, peak = min(fitting, key=lambda t: t[0].predicted_overhead) if fitting else min(tried, key=lambda t: t[1])
+    measured = ", ".join(f"{format_bytes(m)} (predicted {format_bytes(p.predicted_peak_bytes)})" for p, m in tried)
+    kept = f"; kept the plan that measured {format_bytes(peak)}" if len(tried) > 1 else ""
+    note = (f"compiled step ({_backend_name(config.backend)}) measured {measured} for a budget of "
+            f"{format_bytes(target)}{kept}")
+    state.install(key, replace(plan, notes=plan.notes + (note,)))
+    if peak > 1.05 * target:
+        warnings.warn(f"fxremat.compile: under backend {_backend_name(config.backend)} the compiled step's peak "
+                      f"is {format_bytes(peak)}, {peak / target:.2f}x the budget {format_bytes(target)} (plans "
+                      f"tried: {measured}); the compiler keeps buffers the plan cannot lower. Lower the budget, "
+                      "or use budget='min'.", stacklevel=3)
 
 
 def _signature(inputs: tuple) -> tuple:
@@ -804,6 +910,11 @@ class _State:
             while len(self.timed) > self.config.max_plans:
                 self.timed.popitem(last=False)
         return (the_plan, *self._emitted(layout, the_plan))
+
+    def install(self, key: tuple, the_plan: Plan) -> None:
+        """Make ``the_plan`` the plan of input signature ``key`` (emitted once per segmentation)."""
+        self.cache[key] = (the_plan, *self._emitted(_layout(key), the_plan))
+        self.last = self.cache[key]
 
     def _emitted(self, layout: tuple, the_plan: Plan):
         seg = (layout, _segmentation(the_plan.segments))

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from .core import Timeline
 
-__all__ = ["LiveStorageTracker", "AllocatorPeak", "measure_peak", "default_loss", "measure_timeline"]
+__all__ = ["LiveStorageTracker", "AllocatorPeak", "measure_peak", "allocated_peak", "default_loss", "measure_timeline"]
 
 
 class LiveStorageTracker(TorchDispatchMode):
@@ -135,6 +135,30 @@ def measure_peak(fn, *args, **kwargs):
     with allocator, tracker:
         result = fn(*args, **kwargs)
     return result, allocator.peak_bytes if use_cuda and tracker.saw_cuda else tracker.peak_bytes
+
+
+def allocated_peak(fn, *args, device: torch.device | None = None) -> int:
+    """The most bytes allocated during ``fn(*args)`` beyond what was allocated before, as the
+    allocator sees them: on ``device`` (CUDA) the caching allocator's statistics
+    (:class:`AllocatorPeak`); on the CPU the running sum of the profiler's allocation events.
+
+    Unlike :func:`measure_peak` on the CPU it sees compiled code as it runs (Inductor's own
+    buffers, op workspaces): a dispatch-mode tracker would make ``torch.compile`` run eagerly.
+    """
+    if device is not None and device.type == "cuda":
+        with AllocatorPeak(device) as allocator:
+            fn(*args)
+        return allocator.peak_bytes
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args)
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
 
 
 def default_loss(out) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import fxremat
+from fxremat.measure import allocated_peak
 from fxremat.runtime import recompute
 from _models import assert_same_state, loss_of, pair, small_unet, train_step, with_grads
 
@@ -901,21 +902,6 @@ def _min_cut_replay():
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
 
 
-def _allocated_peak(fn) -> int:
-    """Peak of the running sum of the profiler's CPU allocation events during ``fn()``: it sees
-    compiled code, which a dispatch-mode tracker would run eagerly."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def test_compiled_backward_holds_parameter_gradients_to_its_end():
     """Under torch.compile the backward is one graph that returns every parameter's gradient when
     it ends; with a backend the plan counts them alive until then. On an MLP whose weights
@@ -934,7 +920,7 @@ def test_compiled_backward_holds_parameter_gradients_to_its_end():
     def step():
         loss_of(compiled(x)).backward()
 
-    measured = _allocated_peak(step)
+    measured = allocated_peak(step)
     assert held > eager + 2 * 128 * 128 * 4  # at least two weights' gradients more than the eager model
     assert eager * 1.05 < measured <= held * 1.05
     torch._dynamo.reset()

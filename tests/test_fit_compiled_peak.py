@@ -1,0 +1,104 @@
+"""fxremat.compile(..., backend=...) measures the compiled step on the example inputs and, where the
+compiler keeps memory the plan does not see, plans again under a budget lowered by the excess
+(``fit_compiled_peak``, on by default with a compiler backend)."""
+
+import copy
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import fxremat
+from fxremat.errors import format_bytes
+from fxremat.measure import allocated_peak, default_loss
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from benchmarks.nets import transformer_stack  # noqa: E402
+
+
+def _transformer():
+    torch.manual_seed(0)
+    return transformer_stack(depth=4, dim=64, heads=4), torch.randn(4, 128, 64)
+
+
+def _holding(extra_bytes: int):
+    """A torch.compile backend that runs the captured graph eagerly and, like a compiler's own
+    buffers, keeps ``extra_bytes`` allocated from the forward to the end of the backward: added to
+    the first weight matrix (times a zero that requires grad), whose gradient comes last."""
+
+    def holding(gm, example_inputs):
+        def run(*args):
+            args = list(args)
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor) and a.requires_grad and a.dim() == 2:
+                    zero = torch.zeros((), requires_grad=True)
+                    args[i] = a + (torch.ones(extra_bytes // 4) * zero).sum()
+                    break
+            return gm.forward(*args)
+
+        return run
+
+    return holding
+
+
+def _measured(compiled, x) -> int:
+    for p in compiled.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step():  # the output held to the end, as the plan assumes
+        out = compiled(x)
+        default_loss(out).backward()
+        return out
+
+    step()
+    return allocated_peak(step)
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_a_compiler_that_keeps_more_gets_a_lower_plan_within_the_budget(fraction):
+    model, x = _transformer()
+    plain = fxremat.compile(copy.deepcopy(model), fraction, example_inputs=(x,), backend="aot_eager",
+                            fit_compiled_peak=False).plan
+    backend = _holding(plain.budget_bytes // 4)
+    torch._dynamo.reset()
+    unfitted = fxremat.compile(copy.deepcopy(model), fraction, example_inputs=(x,), backend=backend,
+                               fit_compiled_peak=False)
+    over = _measured(unfitted, x)
+    assert over > 1.05 * unfitted.plan.budget_bytes
+    torch._dynamo.reset()
+    twin = copy.deepcopy(model).eval()  # compiled in eval(): the fit measures a training step all the same
+    fitted = fxremat.compile(twin, fraction, example_inputs=(x,), backend=backend)  # on by default
+    assert all(p.grad is None for p in twin.parameters())  # the measured steps wrote no gradient
+    assert not fitted.training and not any(m.training for m in twin.modules())
+    fitted.train()
+    plan = fitted.plan
+    assert plan.budget_bytes == unfitted.plan.budget_bytes
+    assert plan.predicted_peak_bytes < unfitted.plan.predicted_peak_bytes
+    assert "compiled step" in plan.notes[-1] and "kept the plan that measured" in plan.notes[-1]
+    assert _measured(fitted, x) <= plan.budget_bytes
+    torch._dynamo.reset()
+
+
+def test_a_compiled_peak_no_plan_can_fit_warns():
+    model, x = _transformer()
+    budget = fxremat.plan(copy.deepcopy(model), 0.5, example_inputs=(x,), cost_model="compiled").budget_bytes
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"compiled step's peak is .*x the budget .*Lower the budget"):
+        compiled = fxremat.compile(copy.deepcopy(model), 0.5, example_inputs=(x,), backend=_holding(budget))
+    least = fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend="aot_eager",
+                            fit_compiled_peak=False).plan
+    note = compiled.plan.notes[-1]
+    assert note.count("predicted") == 2  # the plan, then the least feasible one (lowered below it)
+    assert f"(predicted {format_bytes(least.predicted_peak_bytes)})" in note
+    torch._dynamo.reset()
+
+
+def test_fit_compiled_peak_is_checked_at_the_call():
+    model, x = _transformer()
+    with pytest.raises(ValueError, match="fit_compiled_peak=True measures the compiled step, and backend is 'eager'"):
+        fxremat.compile(model, 0.5, example_inputs=(x,), fit_compiled_peak=True)
+    with pytest.raises(TypeError, match="fit_compiled_peak takes True or False, got 'yes'"):
+        fxremat.compile(model, 0.5, example_inputs=(x,), backend="aot_eager", fit_compiled_peak="yes")
+    with pytest.raises(TypeError, match="only fxremat.compile"):
+        fxremat.plan(model, 0.5, example_inputs=(x,), fit_compiled_peak=True)
