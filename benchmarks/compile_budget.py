@@ -304,13 +304,14 @@ def _exclusive(path):
 
 def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budgets=(0.5, "min"), repeats=7,
               inductor_budgets=(), whole_segments=False, autotune=0, compiled_only=False, timing_lock=None,
-              unfitted=False):
+              unfitted=False, early_stop=False):
     """Rows ``(label, tracker peak or None, allocated peak, step / plain, compile s[, step / plain
     Inductor])``. Each fxremat + Inductor budget is also planned, and timed in the same loop, with
     ``dp_early_stop=False`` where ``whole_segments`` (the DP charging whole segments, the eager
     default), and with ``autotune=N`` where ``autotune`` is N >= 2 (its candidates compiled by
-    Inductor and timed), and with ``fit_compiled_peak=False`` where ``unfitted`` (the plan as made,
-    not fitted to the compiled step's measured peak). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
+    Inductor and timed), with ``fit_compiled_peak=False`` where ``unfitted`` (the plan as made,
+    not fitted to the compiled step's measured peak), and with ``dp_early_stop=True`` where
+    ``early_stop`` (on CUDA the default plans without it). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
     loop); with ``timing_lock`` (a path) the eager rows and each timing loop run under an exclusive
     lock on it, the compiles outside it, so that several processes can share one device.
 
@@ -327,7 +328,8 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
                                                 repeats, timing_lock)
     torch._dynamo.reset()
     return rows + _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments,
-                                 autotune, repeats, timing_lock, with_plain=compiled_only, unfitted=unfitted)
+                                 autotune, repeats, timing_lock, with_plain=compiled_only, unfitted=unfitted,
+                                 early_stop=early_stop)
 
 
 def _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets, repeats, timing_lock):
@@ -354,7 +356,7 @@ def _eager_rows(base, plain, x, step, with_grads, fractions, fxremat_budgets, re
 
 
 def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets, whole_segments, autotune,
-                   repeats, timing_lock, with_plain=False, unfitted=False):
+                   repeats, timing_lock, with_plain=False, unfitted=False, early_stop=False):
     """Every compiled variant, compiled beside the others, timed in one loop with plain eager (its
     row first where ``with_plain``)."""
     import fxremat
@@ -365,7 +367,8 @@ def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets
         compiled.append((f"{INDUCTOR} {fraction:g}", model, seconds))
     infeasible = []
     planned = ({},) + (({"dp_early_stop": False},) if whole_segments else ()) + \
-        (({"autotune": autotune},) if autotune else ()) + (({"fit_compiled_peak": False},) if unfitted else ())
+        (({"autotune": autotune},) if autotune else ()) + (({"fit_compiled_peak": False},) if unfitted else ()) + \
+        (({"dp_early_stop": True},) if early_stop else ())
     for budget, options in [(b, o) for b in inductor_budgets for o in planned]:
         try:
             with _exclusive(timing_lock if "autotune" in options else None):  # autotune times its candidates
@@ -375,8 +378,8 @@ def _compiled_rows(base, plain, x, step, with_grads, fractions, inductor_budgets
                 infeasible.append((f"torch.compile(fxremat {budget}): below the least feasible peak "
                                    f"({exc.min_feasible_bytes / MIB:.1f} MiB)", None, None, None, 0.0))
             continue
-        how = "".join({"dp_early_stop": ", whole segments", "autotune": f", autotune {autotune}",
-                       "fit_compiled_peak": ", not fitted"}[k] for k in options)
+        how = "".join({"dp_early_stop": ", early stop" if options.get("dp_early_stop") else ", whole segments",
+                       "autotune": f", autotune {autotune}", "fit_compiled_peak": ", not fitted"}[k] for k in options)
         label = (f"torch.compile(fxremat {budget}{how}) (Inductor; plan budget {model.plan.budget_bytes / MIB:.1f} "
                  f"MiB, {sum(s.recomputed for s in model.plan.segments)} recomputed segments)")
         compiled.append((label, model, seconds))
@@ -449,6 +452,9 @@ def main(argv=None) -> int:
                         help="also plan each fxremat + Inductor budget with dp_early_stop=False, in the same loop")
     parser.add_argument("--autotune", type=int, default=0, metavar="N",
                         help="also plan each fxremat + Inductor budget with autotune=N (N >= 2), in the same loop")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="also plan each fxremat + Inductor budget with dp_early_stop=True (off by default on "
+                        "CUDA), in the same loop")
     parser.add_argument("--unfitted", action="store_true",
                         help="also plan each fxremat + Inductor budget with fit_compiled_peak=False, in the same loop")
     parser.add_argument("--compiled-only", action="store_true",
@@ -483,7 +489,7 @@ def main(argv=None) -> int:
     rows = calibrate(lambda: build("small"), x, step, with_grads, fractions=tuple(args.fractions),
                      repeats=args.repeats, inductor_budgets=budgets, whole_segments=args.whole_segments,
                      autotune=args.autotune, compiled_only=args.compiled_only, timing_lock=args.timing_lock,
-                     unfitted=args.unfitted)
+                     unfitted=args.unfitted, early_stop=args.early_stop)
     gpu = f", GPU: {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     text = (f"# torch.compile: the replay against Inductor ({args.net} {'x'.join(map(str, shape))}, "
             f"{args.device.upper()})\n\n"

@@ -5,15 +5,17 @@
 #      time vs plain, beside hand checkpointing, checkpoint_sequential and torch.compile's budget replay;
 #   3. time truth (benchmarks.time_truth): predicted vs measured overhead at 0.6 and 0.4, every strategy;
 #   4. Inductor (benchmarks.compile_budget): fxremat + Inductor beside plain Inductor on the U-Net
-#      (INDUCTOR_NET=resnet_chain etc. for another net), each budget also with whole segments
-#      (dp_early_stop=False) in the same loop;
+#      (INDUCTOR_NET=resnet_chain etc. for another net), each budget also with the DP's other
+#      weighting (on CUDA with the early stop, off there by default; on the CPU with whole segments)
+#      and without the fit to the compiled step's peak (fit_compiled_peak=False), in the same loop;
 #   5. torchvision's ResNet-50 at batch 64 through `fxremat bench` (measured and predicted peaks);
 #   6. (not in the default parts) time truth with dp_early_stop=True, to compare with part 3:
 #      on this CPU its plans ran slower than predicted (benchmarks/results/early_stop.md);
 #   7. (not in the default parts) Inductor on all four nets at once (U-Net, PSPNet, ResNet chain,
 #      transformer): each process on a quarter of the cores, compiling beside the others and timing
-#      only under a lock (`compile_budget --cores --timing-lock`): four nets' peaks in one call
-#      (~6 minutes on an H200), step ratios disturbed by the others' compiles (the tables say so).
+#      only under a lock (`compile_budget --cores --timing-lock`), each budget also planned without
+#      the fit to the compiled step's peak (`--unfitted`): four nets' peaks in one call (run it alone:
+#      ~6 minutes on an H200 before the fit's rows), step ratios disturbed by the others' compiles.
 # Each part has its own time limit, so one that fails or runs long leaves the others their time;
 # every part writes its table as it goes.
 #
@@ -52,7 +54,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
     want 4 && echo "== 4. Inductor" &&
     timeout "${T_INDUCTOR:-180}" $py -m benchmarks.compile_budget --net "${INDUCTOR_NET:-unet}" --device "$device" \
         --batch-scale "$scale" --fractions 1.0 0.5 --fxremat-inductor ${INDUCTOR_BUDGETS:-0.7 min} --repeats 11 \
-        --whole-segments --out "$out"
+        $( [[ $device == cuda ]] && echo --early-stop || echo --whole-segments ) --unfitted --out "$out"
     want 5 && echo "== 5. a torchvision ResNet-50 at 0.5 (plain and compiled: measured and predicted peaks, step times)" &&
     timeout "${T_ZOO:-100}" $py -m fxremat.cli bench torchvision:resnet50 --input 64x3x224x224 --budget 0.5 \
         --device "$device" --autotune 0
@@ -66,8 +68,8 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
         lock=$(mktemp) quarter=$(( $(nproc) / 4 ))
         i=0
         for net in unet pspnet resnet_chain transformer; do
-            timeout "${T_FOUR:-430}" $py -m benchmarks.compile_budget --net $net --device "$device" \
-                --batch-scale "$scale" --fractions 1.0 0.5 0.3 --fxremat-inductor ${INDUCTOR_BUDGETS:-0.7 0.5 min} \
+            timeout "${T_FOUR:-500}" $py -m benchmarks.compile_budget --net $net --device "$device" \
+                --batch-scale "$scale" --fractions 1.0 0.5 0.3 --fxremat-inductor ${FOUR_BUDGETS:-0.7 0.5} --unfitted \
                 --repeats 11 --compiled-only --timing-lock "$lock" --cores $(( i * quarter ))-$(( i * quarter + quarter - 1 )) \
                 --out "$out" > "/tmp/compile_inductor_$net.log" 2>&1 &
             i=$(( i + 1 ))

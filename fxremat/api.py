@@ -54,7 +54,9 @@ _OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3
             "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0, "dp_early_stop": False, "fit_compiled_peak": None}
 AUTOTUNE_CANDIDATES = 4  # autotune=True times this many candidate plans
 AUTOTUNE_STEPS = 5  # timed steps per candidate (after an untimed one), interleaved
-FIT_REPLANS = 2  # fit_compiled_peak: plans made again, at most, for a compiled step over its budget
+FIT_REPLANS = 2  # fit_compiled_peak: plans made again, at most, for a compiled step over (or well under) its budget
+FIT_SLACK = 0.1  # fit_compiled_peak: a compiled step this far under its budget is planned again for more
+FIT_GAIN = 0.01  # ... where that plan is predicted at least this fraction of a step faster
 
 
 @dataclass(frozen=True)
@@ -653,12 +655,17 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     """Make the example inputs' plan honour the budget as the compiled step measures it.
 
     A compiler keeps buffers of its own that the plan's simulator does not see (Inductor's layout
-    copies on the CPU, its kernels' temporaries): one compiled step on the example inputs is
-    measured (:func:`_compiled_step_peak`) and, where it exceeds the budget, the plan is made again
-    for a budget lowered by the excess (the least feasible one where that is below it; the
-    graph's profile reused; without autotune), up to :data:`FIT_REPLANS` times. Kept: the fastest
-    predicted plan that measured within the budget, else the one that measured least (a warning
-    past 1.05x the budget). ``plan.notes`` says what was measured."""
+    copies on the CPU, its kernels' temporaries), and frees some the simulator keeps (AOTAutograd
+    recomputes a region's output for its later readers rather than save it): one compiled step on
+    the example inputs is measured (:func:`_compiled_step_peak`) and, where it exceeds the budget,
+    the plan is made again for a budget lowered by the excess (the least feasible one where that
+    is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not
+    autotuned), for a budget raised by the slack (a plan that recomputes less); the graph's
+    profile is reused, without autotune, up to
+    :data:`FIT_REPLANS` times, and a new plan is only compiled and measured where it is predicted
+    :data:`FIT_GAIN` of a step faster than every one measured within the budget. Kept: the
+    fastest predicted plan that measured within the budget, else the one that measured least (a
+    warning past 1.05x the budget). ``plan.notes`` says what was measured."""
     state = remat._remat
     config = state.config
     if state.traced is None or config.plan is not None or config.budget.minimum or not _may_recompute(config):
@@ -674,17 +681,21 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
         while True:
             peak = _compiled_step_peak(remat, args, kwargs)
             tried.append((plan, peak))
-            if peak <= target or len(tried) > FIT_REPLANS:
+            # within the budget: done, unless well under it (not with autotune, which chose by the clock)
+            if peak <= target and (config.autotune or peak >= (1 - FIT_SLACK) * target) or len(tried) > FIT_REPLANS:
                 break
-            lowered = plan.predicted_peak_bytes - (peak - target)
+            moved = plan.predicted_peak_bytes + (target - peak)  # lowered by the excess, raised by the slack
             try:
                 new = _chosen(state.traced, inputs, graph, costs,
-                              replace(config, budget=parse_budget(max(2, lowered)), autotune=0))
+                              replace(config, budget=parse_budget(max(2, moved)), autotune=0))
             except InfeasibleBudgetError:  # below the least feasible peak: the least, once
                 new = _chosen(state.traced, inputs, graph, costs, replace(config, budget=parse_budget("min"),
                                                                            autotune=0))
             if any(_segmentation(new.segments) == _segmentation(p.segments) for p, _ in tried):
                 break
+            fitting = [p.predicted_overhead for p, m in tried if m <= target]
+            if fitting and new.predicted_overhead > min(fitting) - FIT_GAIN:
+                break  # not enough faster than a plan that fits: not worth a compile
             plan = replace(new, budget_bytes=target)
             state.install(key, plan)
     fitting = [t for t in tried if t[1] <= target]
