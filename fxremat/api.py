@@ -601,6 +601,14 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if options.get("fit_compiled_peak") and backend == "eager":
         raise ValueError("fxremat.compile: fit_compiled_peak=True measures the compiled step, and backend is 'eager'; "
                          "pass backend='inductor' (or another torch.compile backend), or leave fit_compiled_peak out")
+    if options.get("fit_compiled_peak") and example_inputs is None:
+        raise ValueError("fxremat.compile: fit_compiled_peak=True measures a compiled step on the example inputs; "
+                         "pass example_inputs=(x,) too")
+    if backend != "eager" and example_inputs is None and "fit_compiled_peak" not in options:
+        warnings.warn(f"fxremat.compile: with backend {_backend_name(backend)} and no example_inputs, the compiled "
+                      "step's peak is not measured, and a compiler keeps memory the plan does not see (Inductor on "
+                      "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
+                      "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
     options.setdefault("fit_compiled_peak", backend != "eager")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),

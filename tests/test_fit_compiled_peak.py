@@ -5,6 +5,7 @@ compiler keeps memory the plan does not see, plans again under a budget lowered 
 import copy
 import pathlib
 import sys
+import warnings
 
 import pytest
 import torch
@@ -118,3 +119,13 @@ def test_fit_compiled_peak_is_checked_at_the_call():
         fxremat.compile(model, 0.5, example_inputs=(x,), backend="aot_eager", fit_compiled_peak="yes")
     with pytest.raises(TypeError, match="only fxremat.compile"):
         fxremat.plan(model, 0.5, example_inputs=(x,), fit_compiled_peak=True)
+    with pytest.raises(ValueError, match=r"fit_compiled_peak=True measures a compiled step on the example inputs; "
+                                         r"pass example_inputs=\(x,\) too"):
+        fxremat.compile(model, 0.5, backend="aot_eager", fit_compiled_peak=True)
+    # by default, without example inputs: nothing to measure, and it says so at the call
+    with pytest.warns(UserWarning, match="compiled step's peak is not measured.*Pass example_inputs"):
+        fxremat.compile(model, 0.5, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fxremat.compile(model, 0.5, backend="aot_eager", fit_compiled_peak=False)
+    torch._dynamo.reset()
