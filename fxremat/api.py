@@ -604,15 +604,16 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if options.get("fit_compiled_peak") and example_inputs is None:
         raise ValueError("fxremat.compile: fit_compiled_peak=True measures a compiled step on the example inputs; "
                          "pass example_inputs=(x,) too")
-    if backend != "eager" and example_inputs is None and "fit_compiled_peak" not in options:
-        warnings.warn(f"fxremat.compile: with backend {_backend_name(backend)} and no example_inputs, the compiled "
-                      "step's peak is not measured, and a compiler keeps memory the plan does not see (Inductor on "
-                      "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
-                      "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
+    unsaid = "fit_compiled_peak" not in options
     options.setdefault("fit_compiled_peak", backend != "eager")
     leaf_modules = _check_leaf_modules(model, leaf_modules, "compile")
     config = replace(_config(budget, strategy, cost_model, options, leaf_modules=leaf_modules),
                      nested=backend == "eager", one_backward=backend != "eager", backend=backend)
+    if backend != "eager" and example_inputs is None and unsaid and _fits(config):
+        warnings.warn(f"fxremat.compile: with backend {_backend_name(backend)} and no example_inputs, the compiled "
+                      "step's peak is not measured, and a compiler keeps memory the plan does not see (Inductor on "
+                      "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
+                      "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
     with _training_mode(model):
         traced = _traced(model, leaf_modules, "compile")
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
@@ -659,6 +660,12 @@ def _compiled_step_peak(remat: "RematModule", args: tuple, kwargs: dict) -> int:
             p.grad = g
 
 
+def _fits(config: _Config) -> bool:
+    """Whether :func:`_fit_compiled_peak` can move a plan under ``config``: not a saved plan, nor
+    the least peak, nor a budget where nothing is recomputed."""
+    return config.plan is None and not config.budget.minimum and _may_recompute(config)
+
+
 def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     """Make the example inputs' plan honour the budget as the compiled step measures it.
 
@@ -669,14 +676,14 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     the plan is made again for a budget lowered by the excess (the least feasible one where that
     is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not
     autotuned), for a budget raised by the slack (a plan that recomputes less); the graph's
-    profile is reused, without autotune, up to
-    :data:`FIT_REPLANS` times, and a new plan is only compiled and measured where it is predicted
-    :data:`FIT_GAIN` of a step faster than every one measured within the budget. Kept: the
+    profile is reused, without autotune, up to :data:`FIT_REPLANS` times, and a new plan is only
+    compiled and measured where it is predicted :data:`FIT_GAIN` of a step faster than every one
+    measured within the budget. Kept: the
     fastest predicted plan that measured within the budget, else the one that measured least (a
     warning past 1.05x the budget). ``plan.notes`` says what was measured."""
     state = remat._remat
     config = state.config
-    if state.traced is None or config.plan is not None or config.budget.minimum or not _may_recompute(config):
+    if state.traced is None or not _fits(config):
         return
     inputs = remat._bind(args, kwargs)
     key = _signature(inputs)

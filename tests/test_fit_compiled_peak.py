@@ -125,7 +125,9 @@ def test_fit_compiled_peak_is_checked_at_the_call():
     # by default, without example inputs: nothing to measure, and it says so at the call
     with pytest.warns(UserWarning, match="compiled step's peak is not measured.*Pass example_inputs"):
         fxremat.compile(model, 0.5, backend="aot_eager")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # nor where it has nothing to fit
         warnings.simplefilter("error")
         fxremat.compile(model, 0.5, backend="aot_eager", fit_compiled_peak=False)
+        fxremat.compile(model, "min", backend="aot_eager")
+        fxremat.compile(model, 1.0, backend="aot_eager")
     torch._dynamo.reset()
