@@ -310,10 +310,12 @@ def calibrate(build, x, step, with_grads, *, fractions=(1.0, 0.3), fxremat_budge
     ``dp_early_stop=False`` where ``whole_segments`` (the DP charging whole segments, the eager
     default), and with ``autotune=N`` where ``autotune`` is N >= 2 (its candidates compiled by
     Inductor and timed), with ``fit_compiled_peak=False`` where ``unfitted`` (the plan as made,
-    not fitted to the compiled step's measured peak), and with ``dp_early_stop=True`` where
-    ``early_stop`` (on CUDA the default plans without it). ``compiled_only`` leaves out the eager fxremat and replay rows (and their
-    loop); with ``timing_lock`` (a path) the eager rows and each timing loop run under an exclusive
-    lock on it, the compiles outside it, so that several processes can share one device.
+    not fitted to the compiled step's measured peak; a fitted row's compile seconds include the
+    fit's measured steps and compiles), and with ``dp_early_stop=True`` where ``early_stop`` (on
+    CUDA the default plans without it). ``compiled_only`` leaves out the eager fxremat and replay
+    rows (and their loop); with ``timing_lock`` (a path) the eager rows and each timing loop run
+    under an exclusive lock on it, the compiles outside it, so that several processes can share
+    one device.
 
     Plain eager, fxremat and the replays are timed in one interleaved loop; then every compiled
     variant (torch.compile at each fraction, fxremat + Inductor at each budget) is compiled beside
