@@ -661,9 +661,9 @@ def _compiled_step_peak(remat: "RematModule", args: tuple, kwargs: dict) -> int:
 
 
 def _fits(config: _Config) -> bool:
-    """Whether :func:`_fit_compiled_peak` can move a plan under ``config``: not a saved plan, nor
-    the least peak, nor a budget where nothing is recomputed."""
-    return config.plan is None and not config.budget.minimum and _may_recompute(config)
+    """Whether :func:`_fit_compiled_peak` measures a plan under ``config``: not a saved plan, nor a
+    budget where nothing is recomputed (the least peak is measured, not moved)."""
+    return config.plan is None and _may_recompute(config)
 
 
 def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
@@ -676,11 +676,11 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     the plan is made again for a budget lowered by the excess (the least feasible one where that
     is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not
     autotuned), for a budget raised by the slack (a plan that recomputes less); the graph's
-    profile is reused, without autotune, up to :data:`FIT_REPLANS` times, and a new plan is only
-    compiled and measured where it is predicted :data:`FIT_GAIN` of a step faster than every one
-    measured within the budget. Kept: the
-    fastest predicted plan that measured within the budget, else the one that measured least (a
-    warning past 1.05x the budget). ``plan.notes`` says what was measured."""
+    profile is reused, without autotune, up to :data:`FIT_REPLANS` times (at ``budget="min"`` it is
+    only measured), and a new plan is only compiled and measured where it is predicted
+    :data:`FIT_GAIN` of a step faster than every one measured within the budget. Kept: the fastest
+    predicted plan that measured within the budget, else the one that measured least (a warning
+    past 1.05x the budget). ``plan.notes`` says what was measured."""
     state = remat._remat
     config = state.config
     if state.traced is None or not _fits(config):
@@ -698,6 +698,8 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
             tried.append((plan, peak))
             # within the budget: done, unless well under it (not with autotune, which chose by the clock)
             if peak <= target and (config.autotune or peak >= (1 - FIT_SLACK) * target) or len(tried) > FIT_REPLANS:
+                break
+            if config.budget.minimum:  # no plan reaches less
                 break
             moved = plan.predicted_peak_bytes + (target - peak)  # lowered by the excess, raised by the slack
             try:
@@ -721,10 +723,12 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
             f"{format_bytes(target)}{kept}")
     state.install(key, replace(plan, notes=plan.notes + (note,)))
     if peak > 1.05 * target:
+        advice = ("budget='min' is the least peak fxremat's plans reach, and this compiler needs more on top of it"
+                  if config.budget.minimum else "Lower the budget, or use budget='min'")
         warnings.warn(f"fxremat.compile: under backend {_backend_name(config.backend)} the compiled step's peak "
                       f"is {format_bytes(peak)}, {peak / target:.2f}x the budget {format_bytes(target)} (plans "
-                      f"tried: {measured}); the compiler keeps buffers the plan cannot lower. Lower the budget, "
-                      "or use budget='min'.", stacklevel=3)
+                      f"tried: {measured}); the compiler keeps buffers the plan cannot lower. {advice}.",
+                      stacklevel=3)
 
 
 def _signature(inputs: tuple) -> tuple:

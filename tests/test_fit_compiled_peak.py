@@ -111,6 +111,17 @@ def test_a_compiled_peak_no_plan_can_fit_warns():
     torch._dynamo.reset()
 
 
+def test_the_least_peak_is_measured_and_a_compiler_over_it_warns():
+    model, x = _transformer()
+    least = fxremat.plan(copy.deepcopy(model), "min", example_inputs=(x,), cost_model="compiled")
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"compiled step's peak is .*x the budget .*budget='min' is the least peak"):
+        compiled = fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,),
+                                   backend=_holding(least.predicted_peak_bytes // 2))
+    assert compiled.plan.notes[-1].count("predicted") == 1  # measured, not planned again
+    torch._dynamo.reset()
+
+
 def test_fit_compiled_peak_is_checked_at_the_call():
     model, x = _transformer()
     with pytest.raises(ValueError, match="fit_compiled_peak=True measures the compiled step, and backend is 'eager'"):
@@ -128,6 +139,5 @@ def test_fit_compiled_peak_is_checked_at_the_call():
     with warnings.catch_warnings():  # nor where it has nothing to fit
         warnings.simplefilter("error")
         fxremat.compile(model, 0.5, backend="aot_eager", fit_compiled_peak=False)
-        fxremat.compile(model, "min", backend="aot_eager")
         fxremat.compile(model, 1.0, backend="aot_eager")
     torch._dynamo.reset()
