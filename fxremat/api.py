@@ -683,14 +683,38 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     past 1.05x the budget). ``plan.notes`` says what was measured."""
     state = remat._remat
     config = state.config
-    if state.traced is None or not _fits(config):
+    if not _fits(config):
         return
-    inputs = remat._bind(args, kwargs)
-    key = _signature(inputs)
+    if state.traced is None:  # captured per call (torch.export): the entry holds the capture
+        key = ("call",) + _signature((tuple(args), dict(kwargs)))
+        captured = state.cache[key][3]
+        gm, inputs, extra = captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
+        made = {_segmentation(state.cache[key][0].segments): state.cache[key][1:3]}
+
+        def install(the_plan):
+            seg = _segmentation(the_plan.segments)
+            if seg not in made:
+                emitted = _emit(gm, the_plan)
+                made[seg] = (emitted, attribute_bindings(emitted, state.model))
+            state.cache[key] = state.last = (the_plan, *made[seg], captured)
+
+        def lowered():  # its profile was not kept: profiled again, once, where a plan is made again
+            rebind(attribute_bindings(gm, state.model))
+            with _training_mode(state.model):
+                return _lowered(gm, inputs, config)
+    else:
+        inputs = remat._bind(args, kwargs)
+        key, gm, extra = _signature(inputs), state.traced, None
+
+        def install(the_plan):
+            state.install(key, the_plan)
+
+        def lowered():
+            costs = state.timed[_layout(key)]
+            return replace(build_graph(gm, costs), param_grads_held=config.one_backward), costs
     plan = state.cache[key][0]
     target = plan.budget_bytes
-    costs = state.timed[_layout(key)]
-    graph = replace(build_graph(state.traced, costs), param_grads_held=config.one_backward)
+    graph_costs = None
     tried = []
     with _stage("fitting", f"the compiled step's peak to the budget ({_backend_name(config.backend)})"):
         while True:
@@ -702,26 +726,27 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
             if config.budget.minimum:  # no plan reaches less
                 break
             moved = plan.predicted_peak_bytes + (target - peak)  # lowered by the excess, raised by the slack
+            graph_costs = graph_costs or lowered()
             try:
-                new = _chosen(state.traced, inputs, graph, costs,
-                              replace(config, budget=parse_budget(max(2, moved)), autotune=0))
+                new = _chosen(gm, inputs, *graph_costs, replace(config, budget=parse_budget(max(2, moved)),
+                                                                autotune=0), extra)
             except InfeasibleBudgetError:  # below the least feasible peak: the least, once
-                new = _chosen(state.traced, inputs, graph, costs, replace(config, budget=parse_budget("min"),
-                                                                           autotune=0))
+                new = _chosen(gm, inputs, *graph_costs, replace(config, budget=parse_budget("min"), autotune=0),
+                              extra)
             if any(_segmentation(new.segments) == _segmentation(p.segments) for p, _ in tried):
                 break
             fitting = [p.predicted_overhead for p, m in tried if m <= target]
             if fitting and new.predicted_overhead > min(fitting) - FIT_GAIN:
                 break  # not enough faster than a plan that fits: not worth a compile
             plan = replace(new, budget_bytes=target)
-            state.install(key, plan)
+            install(plan)
     fitting = [t for t in tried if t[1] <= target]
     plan, peak = min(fitting, key=lambda t: t[0].predicted_overhead) if fitting else min(tried, key=lambda t: t[1])
     measured = ", ".join(f"{format_bytes(m)} (predicted {format_bytes(p.predicted_peak_bytes)})" for p, m in tried)
     kept = f"; kept the plan that measured {format_bytes(peak)}" if len(tried) > 1 else ""
     note = (f"compiled step ({_backend_name(config.backend)}) measured {measured} for a budget of "
             f"{format_bytes(target)}{kept}")
-    state.install(key, replace(plan, notes=plan.notes + (note,)))
+    install(replace(plan, notes=plan.notes + (note,)))
     if peak > 1.05 * target:
         advice = ("budget='min' is the least peak fxremat's plans reach, and this compiler needs more on top of it"
                   if config.budget.minimum else "Lower the budget, or use budget='min'")

@@ -82,6 +82,31 @@ def test_a_compiler_that_keeps_more_gets_a_lower_plan_within_the_budget(fraction
     torch._dynamo.reset()
 
 
+class _Varargs(torch.nn.Module):
+    """A forward that takes ``*args``, as decorated Hugging Face forwards do: captured per call
+    with torch.export rather than traced."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def forward(self, *args):
+        return self.body(args[0])
+
+
+def test_a_model_captured_per_call_is_fitted_too():
+    body, x = _transformer()
+    model = _Varargs(body)
+    budget = fxremat.plan(copy.deepcopy(model), 0.7, example_inputs=(x,), cost_model="compiled").budget_bytes
+    torch._dynamo.reset()
+    compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), backend=_holding(budget // 4))
+    assert compiled._remat.traced is None  # captured
+    plan = compiled.plan
+    assert "kept the plan that measured" in plan.notes[-1]
+    assert _measured(compiled, x) <= plan.budget_bytes
+    torch._dynamo.reset()
+
+
 def test_a_compiled_step_well_under_its_budget_tries_a_plan_that_recomputes_less():
     """AOTAutograd recomputes a region's output for its later readers rather than save it, so the
     transformer's compiled step at 0.7 measures well under the plan: a plan for more memory is
