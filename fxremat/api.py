@@ -695,6 +695,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
             seg = _segmentation(the_plan.segments)
             if seg not in made:
                 emitted = _emit(gm, the_plan)
+                _count_compiled_emit()
                 made[seg] = (emitted, attribute_bindings(emitted, state.model))
             state.cache[key] = state.last = (the_plan, *made[seg], captured)
 
@@ -1239,6 +1240,8 @@ class RematModule(torch.nn.Module):
                 the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
                                           captured.plain_extra_bytes)
             emitted = _emit(gm, the_plan)
+            if state.config.backend != "eager":
+                _count_compiled_emit()
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)

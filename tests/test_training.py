@@ -968,10 +968,9 @@ def test_more_compiled_plans_than_dynamos_recompile_limit_warn(monkeypatch):
     x = torch.randn(256, 64)
     for limit, warns in ((1, True), (4, False)):
         torch._dynamo.reset()
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)
         monkeypatch.setattr(api, "_COMPILED_EMITS", 0)
         seen, modules = [], []
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=limit):
             warnings.simplefilter("always")
             for _ in range(2):
                 modules.append(fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend=counting(seen),
@@ -979,9 +978,41 @@ def test_more_compiled_plans_than_dynamos_recompile_limit_warn(monkeypatch):
         said = [w for w in caught if "recompile_limit" in str(w.message)]
         assert bool(said) == warns and all("torch._dynamo.config.recompile_limit = 64" in str(w.message) for w in said)
         compiled = []
-        for m in modules:
-            before = len(seen)
-            m(x).sum().backward()
-            compiled.append(len(seen) > before)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            for m in modules:
+                before = len(seen)
+                m(x).sum().backward()
+                compiled.append(len(seen) > before)
         assert compiled == [True, not warns]  # beyond the limit Dynamo ran the second one eagerly
+    torch._dynamo.reset()
+
+
+class _StarArgs(nn.Module):
+    """A forward of ``*args`` (captured per call with torch.export, not traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
+
+    def forward(self, *args):
+        return self.body(args[0])
+
+
+def test_captured_models_count_toward_dynamos_recompile_limit(monkeypatch):
+    """Models captured per call emit modules of their own, compiled on the same forward code: they
+    count toward the warning at Dynamo's recompile limit as traced models do."""
+    import warnings
+
+    from fxremat import api
+
+    x = torch.randn(256, 64)
+    torch._dynamo.reset()
+    monkeypatch.setattr(api, "_COMPILED_EMITS", 0)
+    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=1):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            m = fxremat.compile(_StarArgs(), "min", example_inputs=(x,), backend="aot_eager", fit_compiled_peak=False)
+            assert m._remat.traced is None  # captured, not traced
+    assert api._COMPILED_EMITS == 2
+    assert any("recompile_limit" in str(w.message) for w in caught)
     torch._dynamo.reset()
