@@ -21,10 +21,11 @@
   ``nondeterministic_seeded`` ran (also on fake tensors), or the CPU/CUDA generators moved; such
   nodes must keep their relative order, or the RNG stream hands them other masks, and only the
   recomputed segments holding one restore the RNG state;
-- its forward and backward cost: median wall time over repeats (``"measured"``, CUDA kernels
-  waited for, the forwards then scaled to the forward timed whole where that is shorter: a step
-  overlaps launches and kernels; the backward of a node is the time from its output's ``grad_fn``
-  starting to the next node's starting), FLOPs plus a memory-traffic term (``"flops"``, works under
+- its forward and backward cost: median wall time over repeated training steps (``"measured"``,
+  each node timed where the step runs it, CUDA kernels waited for, the forwards then scaled to
+  the forward timed whole where that is shorter: a step overlaps launches and kernels; the
+  backward of a node is the time from its output's ``grad_fn`` starting to the next node's
+  starting), FLOPs plus a memory-traffic term (``"flops"``, works under
   ``FakeTensorMode``; backward twice the forward), FLOPs plus an eighth of that term
   (``"compiled"``: the step runs under Inductor, which fuses pointwise ops into the kernels
   around them, so recomputing them costs little while a matmul or convolution costs its FLOPs)
@@ -458,12 +459,15 @@ class _ForwardClock(fx.Interpreter):
     """Runs the graph's forward as training runs it, timing each call node where it runs: after
     its producers, with what they left in the caches and the allocator (a node timed again and
     again on its own inputs runs on hot caches and measured up to 1.4x faster on CPU). ``kind``
-    names each node's computation (:func:`_computation`)."""
+    names each node's computation (:func:`_computation`). ``events`` collects, once the backward
+    of the forward it ran starts, the time at which each node's backward (the ``grad_fn`` of its
+    outputs) begins."""
 
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm)
         self.ms: dict[str, float] = {}
         self.kind: dict[str, object] = {}
+        self.events: list[tuple[float, str | None]] = []
 
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
@@ -473,6 +477,8 @@ class _ForwardClock(fx.Interpreter):
         start = _now()
         out = super().run_node(n)
         self.ms[n.name] = (_now() - start) * 1e3
+        for fn in {t.grad_fn for t in _tensors(out) if t.grad_fn is not None}:
+            fn.register_prehook(lambda _g, name=n.name: self.events.append((_now(), name)))
         return out
 
 
@@ -507,25 +513,42 @@ def _computation(root: torch.nn.Module, n: fx.Node, args, kwargs):
     return key
 
 
-def _time_forward(gm: fx.GraphModule, inputs, repeats: int) -> dict[str, float]:
-    """Median forward milliseconds per call node over ``repeats`` whole forwards (after one
-    untimed warm-up forward, which pays one-off costs). Nodes that compute the same thing
-    (:func:`_computation`: the sixteen identical blocks of a chain) share one median over all
-    their samples: equal work gets an equal cost, so the plan does not follow the noise among
-    them, and each median rests on more samples."""
-    samples: dict[str, list[float]] = {}
+def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median forward and backward milliseconds per call node over ``repeats`` training steps
+    (after one untimed step, which pays one-off costs): the forward timed node by node
+    (:class:`_ForwardClock`), the backward from pre-hooks on each node's ``grad_fn`` (from one
+    starting to the next one starting). Nodes that compute the same thing (:func:`_computation`:
+    the sixteen identical blocks of a chain) share one forward median over all their samples:
+    equal work gets an equal cost, so the plan does not follow the noise among them, and each
+    median rests on more samples.
+
+    Both are timed inside whole steps, so each forward finds the allocator as the step before it
+    left it. Timed apart (forwards freed all at once, a backward run again and again on a graph
+    kept alive), glibc's default heap trimmed itself between them and paged the activations in
+    again: the ResNet chain's forward measured 166-171 ms that way against 82-87 ms inside steps
+    (one thread, three processes), and the plan changed with the heap's history."""
+    fwd: dict[str, list[float]] = {}
+    bwd: dict[str, list[float]] = {}
     kind: dict[str, object] = {}
+    params = [p for p in gm.parameters() if p.requires_grad]
     for i in range(repeats + 1):
         clock = _ForwardClock(gm)
-        clock.run(*inputs)
+        loss = _scalar_loss(clock.run(*inputs))
+        if loss is not None and params:
+            torch.autograd.grad(loss, params, allow_unused=True)
+            clock.events.append((_now(), None))
+        del loss
         kind = clock.kind
         if i:
             for name, ms in clock.ms.items():
-                samples.setdefault(name, []).append(ms)
+                fwd.setdefault(name, []).append(ms)
+            for (t0, name), (t1, _) in zip(clock.events, clock.events[1:]):
+                bwd.setdefault(name, []).append((t1 - t0) * 1e3)
     pooled: dict[object, list[float]] = {}
-    for name, values in samples.items():
+    for name, values in fwd.items():
         pooled.setdefault(kind[name], []).extend(values)
-    return {name: statistics.median(pooled[kind[name]]) for name in samples}
+    return ({name: statistics.median(pooled[kind[name]]) for name in fwd},
+            {name: statistics.median(v) for name, v in bwd.items()})
 
 
 def _whole_forward_ms(gm: fx.GraphModule, inputs, repeats: int) -> float:
@@ -649,33 +672,6 @@ def nonnegative_fit(rows, targets) -> list[float]:
     return out
 
 
-def _time_backward(gm: fx.GraphModule, env: dict, repeats: int) -> dict[str, float]:
-    """Median backward milliseconds per call node, from pre-hooks on the outputs' grad_fns."""
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    loss = _scalar_loss(tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, out_node.args[0]))
-    params = [p for p in gm.parameters() if p.requires_grad]
-    if loss is None or not params:
-        return {}
-    events: list[tuple[float, str | None]] = []
-    handles = []
-    for node, value in env.items():
-        fns = {t.grad_fn for t in _tensors(value) if t.grad_fn is not None}
-        for fn in fns if node.op in CALL_OPS else ():
-            handles.append(fn.register_prehook(lambda _g, name=node.name: events.append((_now(), name))))
-    samples: dict[str, list[float]] = {}
-    try:
-        for _ in range(repeats):
-            events.clear()
-            torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-            events.append((_now(), None))
-            for (t0, name), (t1, _) in zip(events, events[1:]):
-                samples.setdefault(name, []).append((t1 - t0) * 1e3)
-    finally:
-        for h in handles:
-            h.remove()
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def step_times(modules, inputs, repeats: int) -> list[float]:
     """Median milliseconds of one forward + backward (gradients not accumulated) of each of
     ``modules`` on the same ``inputs``, timed side by side: a step of each in turn, ``repeats``
@@ -781,9 +777,9 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             interp.owner.setdefault(_storage_key(t), "")
         interp.run(*example_inputs)
         costs = tuple(interp.costs)
+        interp.env.clear()  # the clocks below time steps as training runs them, nothing else held
         if cost_model == "measured":
-            bwd = _time_backward(gm, interp.env, repeats)
-            fwd = _time_forward(gm, example_inputs, repeats)
+            fwd, bwd = _time_steps(gm, example_inputs, repeats)
             if interp.allocator_device is not None:
                 fwd = _overlapped(fwd, _whole_forward_ms(gm, example_inputs, repeats))
             costs = tuple(replace(c, fwd_cost=fwd[c.name], bwd_cost=bwd.get(c.name, 0.0)) for c in costs)
