@@ -104,26 +104,35 @@ def _candidate(graph: CostGraph, sched: Schedule) -> _Candidate:
     return _Candidate(sched, simulate(graph, sched), recompute_time(graph, sched))
 
 
-MERGE_SLACK = 0.005  # of a step: a merge of two checkpoints may cost this much by the measured model
+# Of a step: plans closer than this by the measured model are told apart by fewer checkpoints,
+# then the lower peak (a merge of two checkpoints may cost this much), not by the noise.
+MERGE_SLACK = 0.015
+
+
+def _on_clock(graph: CostGraph) -> bool:
+    """Whether ``graph``'s times were measured on a clock (``cost_model="measured"``)."""
+    return graph.cost_unit == "ms" and graph.time_unit > 0
 
 
 def _slack(graph: CostGraph) -> int:
-    """``MERGE_SLACK`` of a step in ``time`` units, where the costs are measured on a clock (the
-    mechanism is modelled: a cost a checkpoint or per node, either of which the calibration may
-    fit to 0); 0 otherwise."""
-    if (graph.checkpoint_time <= 0 and not any(graph.hook_time)) or graph.time_unit <= 0:
+    """``MERGE_SLACK`` of a step in ``time`` units where the costs are measured on a clock, 0
+    otherwise (FLOP and uniform costs do not move between runs)."""
+    if not _on_clock(graph):
         return 0
     return int(MERGE_SLACK * graph.step_cost / graph.time_unit)
 
 
-def _better(a: _Candidate | None, b: _Candidate | None, slack: int = 0) -> _Candidate | None:
-    """The faster of two plans; of two within ``slack`` of each other (closer than a measured
-    profile resolves), the one with the lower peak."""
-    if a is None or b is None:
-        return a or b
-    if abs(a.recompute_time - b.recompute_time) <= slack:
-        return min(a, b, key=lambda c: (c.peak_bytes, c.recompute_time))
-    return min(a, b, key=lambda c: (c.recompute_time, c.peak_bytes))
+def _pick(cands, slack: int = 0, fastest: int | None = None) -> _Candidate | None:
+    """The fastest of ``cands`` (``None`` entries skipped); of those within ``slack`` of the
+    fastest (closer than a measured profile resolves), the one with the lower peak. Measured
+    from the fastest (``fastest``: a recompute time known to be reached), not pair by pair: a
+    chain of near ties does not drift to a slow plan."""
+    cands = [c for c in cands if c is not None]
+    if not cands:
+        return None
+    least_time = min(c.recompute_time for c in cands)
+    limit = max(least_time, (least_time if fastest is None else fastest) + slack)
+    return min((c for c in cands if c.recompute_time <= limit), key=lambda c: (c.peak_bytes, c.recompute_time))
 
 
 def _fewer_checkpoints(graph: CostGraph, cand: _Candidate, budget: int) -> _Candidate:
@@ -135,10 +144,10 @@ def _fewer_checkpoints(graph: CostGraph, cand: _Candidate, budget: int) -> _Cand
     are closer than a measured profile resolves, and a plan that followed the noise would change
     from one run to the next (measured on the 4-block transformer at 0.6: one segment of 57
     nodes or 54 + 3, with the fitted per-checkpoint cost between 0.06 and 0.12 ms). The one
-    with fewer checkpoints is then every run's pick. Only costs measured on a clock (a modelled
-    mechanism, ``checkpoint_time > 0``) are merged: without a mechanism cost a merge saves
-    nothing, and the plan is left as it is."""
-    if graph.checkpoint_time <= 0 or any(x is not None for x in cand.schedule.inner or ()):
+    with fewer checkpoints is then every run's pick. Only costs measured on a clock are merged
+    (also where the calibration fitted the mechanism to 0: with glibc's default heap its steps
+    spread more than a checkpoint costs)."""
+    if not _on_clock(graph) or any(x is not None for x in cand.schedule.inner or ()):
         return cand
     limit = cand.recompute_time + _slack(graph)
     best = cand
@@ -159,6 +168,7 @@ class _Source:
     seconds spent in its solver (``seconds``)."""
 
     seconds: float = 0.0
+    fastest_time: int | None = None  # the least recompute time fastest_within saw (before ties)
 
     def least(self) -> _Candidate | None:
         """The candidate with the least simulated peak (then the least recompute time)."""
@@ -249,8 +259,8 @@ class _KusumotoDP(_Source):
         """Bisect the DP budget in [budget, DP peak of no recomputation], under each weighting.
         With the early stop, the fastest plan found under the whole-segment weighting alone is
         kept too (``whole_segments``): a candidate for ``autotune`` where the two disagree."""
-        best = least if least.peak_bytes <= budget else None
-        self.whole_segments = None
+        fits = [least] if least.peak_bytes <= budget else []
+        whole = []
         plain_sol, _ = self._solve()
         for early_stop in self.weightings:
             lo, hi = budget, max(budget, plain_sol.peak_bytes)
@@ -267,10 +277,12 @@ class _KusumotoDP(_Source):
                     hi = mid
             for cand in found:
                 if cand is not None and cand.peak_bytes <= budget:
-                    best = _better(best, cand, _slack(self.graph))
+                    fits.append(cand)
                     if not early_stop and self.early_stop:
-                        self.whole_segments = _better(self.whole_segments, cand, _slack(self.graph))
-        return best
+                        whole.append(cand)
+        self.whole_segments = _pick(whole, _slack(self.graph))
+        self.fastest_time = min((c.recompute_time for c in fits), default=None)
+        return _pick(fits, _slack(self.graph))
 
 
 class _Enumerated(_Source):
@@ -283,11 +295,9 @@ class _Enumerated(_Source):
         return min(self.candidates(), key=lambda c: (c.peak_bytes, c.recompute_time), default=None)
 
     def fastest_within(self, budget: int, least: _Candidate) -> _Candidate | None:
-        best = None
-        for cand in self.candidates():
-            if cand.peak_bytes <= budget:
-                best = _better(best, cand, _slack(self.graph))
-        return best
+        fits = [c for c in self.candidates() if c.peak_bytes <= budget]
+        self.fastest_time = min((c.recompute_time for c in fits), default=None)
+        return _pick(fits, _slack(self.graph))
 
 
 class _Chain(_Enumerated):
@@ -430,9 +440,8 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     picks = {name: src.fastest_within(target, least[name]) for name, src in sources.items()
              if least[name] is not None and least[name].peak_bytes <= target}
     picks = {n: _fewer_checkpoints(graph, c, target) for n, c in picks.items() if c}
-    best = None
-    for cand in sorted(picks.values(), key=lambda c: (c.recompute_time, c.peak_bytes)):
-        best = _better(best, cand, _slack(graph))
+    reached = [src.fastest_time for n, src in sources.items() if n in picks and src.fastest_time is not None]
+    best = _pick(picks.values(), _slack(graph), min(reached, default=None))
     name = next(n for n, c in picks.items() if c is best)
     whole = [(n, _fewer_checkpoints(graph, src.whole_segments, target)) for n, src in sources.items()
              if n in picks and isinstance(src, _KusumotoDP) and src.whole_segments is not None]
