@@ -627,6 +627,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
         remat.compile(backend=backend)
         if example_inputs is not None and config.fit_compiled_peak:
             _fit_compiled_peak(remat, args, kwargs)
+            remat._remat.fit_signatures = _fits(config)
     return remat
 
 
@@ -926,6 +927,9 @@ class _State:
         self.timed: collections.OrderedDict = collections.OrderedDict()
         self.planned: set = set()  # hashes of every signature planned, to see planning repeat
         self.warned = False
+        self.fit_signatures = False  # the example inputs' plan was fitted: so should later signatures' be
+        self.fitting = False  # inside RematModule.fit_compiled_peak
+        self.warned_unfitted = False
         self.last = None
         self.traced_bindings = attribute_bindings(traced, model) if traced is not None else ()
 
@@ -1065,6 +1069,21 @@ def _eager_between_graphs(fn):
     return call
 
 
+def _warn_unfitted(state: "_State", key: tuple) -> None:
+    """Warn once when a signature is planned at a training step after the example inputs' plan
+    was fitted to the compiled step's peak: this one is not measured, and the compiler's own
+    memory (what the fit corrects) comes on top of its plan."""
+    if not state.fit_signatures or state.fitting or state.warned_unfitted:
+        return
+    state.warned_unfitted = True
+    warnings.warn(
+        f"fxremat.RematModule: planned inputs {_describe_inputs(key)} of {type(state.model).__name__} at a "
+        f"training step; under backend {_backend_name(state.config.backend)} only the example inputs' compiled "
+        "step was measured and fitted to the budget (fit_compiled_peak), and the compiler may keep memory this "
+        "plan does not see. Call model.fit_compiled_peak(*inputs) with inputs of these shapes before training "
+        "on them.", stacklevel=4)
+
+
 class RematModule(torch.nn.Module):
     """``model`` with recomputation: same parameters, buffers and ``state_dict`` (shared, not
     copied), trained with its activation peak within the budget.
@@ -1187,6 +1206,7 @@ class RematModule(torch.nn.Module):
             log.info("fxremat: planned %s for a new input signature in %.2fs: %s%s",
                      type(state.model).__name__, time.perf_counter() - start, entry[0].strategy,
                      " (segmentation reused)" if _REUSED in entry[0].notes else "")
+            _warn_unfitted(state, key)
             state.cache[key] = entry
             while len(state.cache) > _SIGNATURES_PER_PLAN * state.config.max_plans:
                 state.cache.popitem(last=False)
@@ -1245,6 +1265,7 @@ class RematModule(torch.nn.Module):
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
+            _warn_unfitted(state, key[1:])
             state.cache[key] = entry
             while len(state.cache) > state.config.max_plans:
                 state.cache.popitem(last=False)
@@ -1275,6 +1296,34 @@ class RematModule(torch.nn.Module):
     def code(self) -> str:
         """Python source of the emitted forward, followed by each recomputed segment's code."""
         return emitted_code(self.graph_module, type(self._remat.model).__name__)
+
+    def fit_compiled_peak(self, *args, **kwargs) -> Plan:
+        """Fit the plan of the input signature of ``self(*args, **kwargs)`` to the compiled step's
+        measured peak, as :func:`compile` does for its ``example_inputs``: the signature is planned
+        if it is new, one compiled step is measured on these inputs (buffers, RNG states, ``.grad``
+        and training mode put back) and the plan is made again where it exceeds the budget. For
+        input shapes a model will also train on (a last, smaller batch; other sequence lengths),
+        called before training on them. Returns the plan kept for the signature."""
+        state = self._remat
+        config = state.config
+        if config.backend == "eager":
+            raise ValueError("RematModule.fit_compiled_peak: this module was compiled with backend='eager', so no "
+                             "compiled step is measured; pass backend='inductor' (or another torch.compile backend) "
+                             "to fxremat.compile")
+        if not _fits(config):
+            raise ValueError("RematModule.fit_compiled_peak: nothing to fit under this configuration (a saved plan= "
+                             "is kept as it is; a budget of the whole baseline recomputes nothing)")
+        state.fitting = True
+        try:
+            if state.traced is None:
+                self._prepare_call(args, kwargs)
+            else:
+                self._prepare(self._bind(args, kwargs))
+        finally:
+            state.fitting = False
+        _fit_compiled_peak(self, args, kwargs)
+        state.fit_signatures = True
+        return self.plan
 
 
 # --------------------------------------------------------------------------------------------

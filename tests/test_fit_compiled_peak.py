@@ -166,3 +166,32 @@ def test_fit_compiled_peak_is_checked_at_the_call():
         fxremat.compile(model, 0.5, backend="aot_eager", fit_compiled_peak=False)
         fxremat.compile(model, 1.0, backend="aot_eager")
     torch._dynamo.reset()
+
+
+def test_a_shape_planned_at_a_training_step_warns_and_is_fitted_on_request():
+    """compile measures the example inputs' compiled step only: a shape first seen at a training
+    step gets a plan the compiler's own memory comes on top of, and says so (once), naming
+    ``fit_compiled_peak``; called with inputs of that shape, the method fits its plan too."""
+    model, x = _transformer()
+    wide = torch.randn(8, 128, 64)
+    budget = fxremat.plan(copy.deepcopy(model), 0.7, example_inputs=(x,), cost_model="compiled").budget_bytes
+    torch._dynamo.reset()
+    compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), backend=_holding(budget // 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        over = _measured(compiled, wide)  # planned at a training step, not fitted
+        _measured(compiled, torch.randn(2, 128, 64))
+    said = [w for w in caught if "fit_compiled_peak(*inputs)" in str(w.message)]
+    assert len(said) == 1 and "8x128x64" in str(said[0].message)
+    compiled(wide)
+    unfitted = compiled.plan
+    assert over > 1.05 * unfitted.budget_bytes
+    plan = compiled.fit_compiled_peak(wide)
+    assert plan.budget_bytes == unfitted.budget_bytes and plan.predicted_peak_bytes < unfitted.predicted_peak_bytes
+    assert "compiled step" in plan.notes[-1]
+    assert _measured(compiled, wide) <= plan.budget_bytes
+    assert compiled.plan is plan or compiled.plan.segments == plan.segments
+    eager = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,))
+    with pytest.raises(ValueError, match="backend='eager'"):
+        eager.fit_compiled_peak(x)
+    torch._dynamo.reset()
