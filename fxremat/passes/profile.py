@@ -525,8 +525,8 @@ def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, flo
     Both are timed inside whole steps, so each forward finds the allocator as the step before it
     left it. Timed apart (forwards freed all at once, a backward run again and again on a graph
     kept alive), glibc's default heap trimmed itself between them and paged the activations in
-    again: the ResNet chain's forward measured 166-171 ms that way against 82-87 ms inside steps
-    (one thread, three processes), and the plan changed with the heap's history."""
+    again: the ResNet chain's forward measured 166 and 171 ms that way (87 in a third process)
+    against 84-93 ms inside steps (one thread), and the plan changed with the heap's history."""
     fwd: dict[str, list[float]] = {}
     bwd: dict[str, list[float]] = {}
     kind: dict[str, object] = {}
