@@ -343,6 +343,34 @@ def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):
     assert plain.per_checkpoint < 0.5 * delay * 1e3
 
 
+def test_calibration_reads_its_steps_on_the_profiles_clock(monkeypatch):
+    """A machine running uniformly slower during the calibration than during the profile (1.6x,
+    as one benchmark run saw) changes nothing in the fit: the steps are read as shares of the
+    plain step, so a known 2 ms a checkpoint is found as 2 ms and no per-node part, at 1x or 1.6x
+    (read in milliseconds as timed, 1.6x would add 0.6x the recomputed forward to the fit)."""
+    import fxremat.passes.calibrate as calibrate_pass
+
+    gm = fx.symbolic_trace(_TanhStack(depth=48))
+    x = torch.randn(2, 64)
+    costs = profile(gm, (x,), cost_model="uniform")
+    costs = dataclasses.replace(costs, step_cost=300.0,
+                                mechanism=CheckpointCosts(per_checkpoint=0.1, per_saved_tensor=0.01, per_saved_mib=0.1))
+    graph = build_graph(gm, costs)
+    schedules = calibration_schedules(graph)
+    added = []
+    for s in schedules:
+        segs = [seg for seg, r in zip(s.segments, s.recomputed) if r]
+        added.append(sum(rerun_time(graph, seg) for seg in segs) * graph.time_unit + 2.0 * len(segs))
+    fits = []
+    for slower in (1.0, 1.6):
+        monkeypatch.setattr(calibrate_pass, "step_times", lambda modules, inputs, rounds, f=slower:
+                            [f * costs.step_cost] + [f * (costs.step_cost + a) for a in added])
+        fits.append(calibrate(gm, (x,), graph, costs, repeats=1))
+    for found in fits:
+        assert abs(found.per_checkpoint - 2.0) < 1e-6
+        assert found.per_saved_tensor < 1e-9 and found.per_saved_mib < 1e-9
+
+
 def test_compiled_plans_count_the_calibrated_mechanism():
     """``fxremat.compile`` with measured costs plans with the mechanism calibrated on the model:
     the profile it keeps carries it, and the plan's predicted overhead counts it."""

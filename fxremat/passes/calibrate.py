@@ -17,7 +17,9 @@ emitted by the same rewrite a plan is) and times their steps beside the plain st
 adds beyond the forward it recomputes (:func:`~fxremat.simulate.rerun_time`, the per-node
 profile) is fitted by non-negative least squares to two terms: a cost per checkpoint, and a
 factor on the machine's per-node cost of saved tensors and bytes (which keeps the machine fit's
-split between small and large tensors). Each is at least 0.
+split between small and large tensors). Each is at least 0. The steps are read on the profile's
+clock (scaled by its plain step over the plain step timed here), so that what the fit gives is
+the overhead measured, as a share of the step, not the machine's speed changing in between.
 """
 
 from __future__ import annotations
@@ -114,15 +116,19 @@ def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphC
     rounds = min(MAX_ROUNDS, max(repeats, round(CALIBRATION_MS / (len(schedules) + 1) / max(costs.step_cost, 1e-3))))
     with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
         plain, *timed = step_times([gm, *modules], inputs, rounds)
+    # The steps timed here read on the profile's clock: a machine running slower (or faster)
+    # during these seconds than during the profile would otherwise leave its difference times the
+    # recomputed forward in the mechanism (1.6x slower made a per-node factor of 7.9 on one run).
+    scale = costs.step_cost / plain if plain > 0 else 1.0
     per_node = replace(graph, checkpoint_time=0)  # hook_time alone: the machine's per-node share
     rows, targets = [], []
     for s, t in zip(schedules, timed):
         segs = [seg for seg, r in zip(s.segments, s.recomputed) if r]
         rows.append([float(len(segs)), sum(mechanism_time(per_node, seg) for seg in segs) * graph.time_unit])
-        targets.append(t - plain - sum(rerun_time(graph, seg) for seg in segs) * graph.time_unit)
+        targets.append((t - plain) * scale - sum(rerun_time(graph, seg) for seg in segs) * graph.time_unit)
     per_checkpoint, factor = nonnegative_fit(rows, targets)
     fitted = CheckpointCosts(per_checkpoint, factor * machine.per_saved_tensor, factor * machine.per_saved_mib)
-    log.debug("fxremat: checkpoint mechanism on this model %s (machine fit %s; %d schedules, plain %.3g ms, "
-              "added beyond the recomputed forward %s ms)", fitted, machine, len(schedules), plain,
-              [round(x, 3) for x in targets])
+    log.debug("fxremat: checkpoint mechanism on this model %s (machine fit %s; %d schedules, plain %.3g ms "
+              "against %.3g profiled, added beyond the recomputed forward %s ms)", fitted, machine, len(schedules),
+              plain, costs.step_cost, [round(x, 3) for x in targets])
     return fitted
