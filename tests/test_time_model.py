@@ -265,6 +265,40 @@ def test_equal_work_gets_an_equal_measured_cost():
     assert len({kinds["_0_0"], kinds["_1_0"], kinds["_6"], kinds["_8"], kinds["_1_1"]}) == 5  # other inputs, shapes, ops
 
 
+_DRIFT = {"calls": 0}
+
+
+@fx.wrap
+def _drifting(x):
+    """Slower at each call (2 ms, then 3, 4, ...): a machine whose speed drifts while profiled."""
+    import time
+
+    _DRIFT["calls"] += 1
+    time.sleep(1e-3 * (1 + _DRIFT["calls"]))
+    return x * 2
+
+
+class _Drifting(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _drifting(self.linear(x))
+
+
+def test_the_plain_step_is_timed_in_the_seconds_of_the_nodes():
+    """The step the profile reads every cost against is timed between the clocked steps, not in
+    rounds of its own after them: on a machine slowing down as it is profiled, the nodes still
+    sum to about the step (timed after them, 0.6 of it here)."""
+    gm = fx.symbolic_trace(_Drifting())
+    x = torch.randn(4, 8)
+    _DRIFT["calls"] = 0
+    costs = profile(gm, (x,), cost_model="measured", repeats=3)
+    nodes = sum(c.fwd_cost + c.bwd_cost for c in costs.nodes)
+    assert 0.75 < nodes / costs.step_cost < 1.25, (nodes, costs.step_cost)
+
+
 def test_flat_plans_for_a_compiled_step():
     """nested=False (fxremat.compile with a compiler backend): auto plans without rotor's nested
     checkpoints, which a compiled step does not keep; explicitly asked, rotor still nests."""

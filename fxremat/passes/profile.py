@@ -513,7 +513,7 @@ def _computation(root: torch.nn.Module, n: fx.Node, args, kwargs):
     return key
 
 
-def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, float], dict[str, float], float]:
     """Median forward and backward milliseconds per call node over ``repeats`` training steps
     (after one untimed step, which pays one-off costs): the forward timed node by node
     (:class:`_ForwardClock`), the backward from pre-hooks on each node's ``grad_fn`` (from one
@@ -526,12 +526,20 @@ def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, flo
     left it. Timed apart (forwards freed all at once, a backward run again and again on a graph
     kept alive), glibc's default heap trimmed itself between them and paged the activations in
     again: the ResNet chain's forward measured 166 and 171 ms that way (87 in a third process)
-    against 84-93 ms inside steps (one thread), and the plan changed with the heap's history."""
+    against 84-93 ms inside steps (one thread), and the plan changed with the heap's history.
+
+    The third value is the median plain step (no clock: :func:`step_times`' way), each one timed
+    right after a clocked step, so that the step every cost is read against comes from the same
+    seconds as the nodes' costs (timed in rounds of their own after them, one U-Net's profiled
+    nodes came to 0.84 of its step, its predicted overhead 42% for 66% measured)."""
     fwd: dict[str, list[float]] = {}
     bwd: dict[str, list[float]] = {}
     kind: dict[str, object] = {}
+    steps: list[float] = []
     params = [p for p in gm.parameters() if p.requires_grad]
     for i in range(repeats + 1):
+        if i:
+            steps.append(_step_ms(gm, inputs, params))
         clock = _ForwardClock(gm)
         loss = _scalar_loss(clock.run(*inputs))
         if loss is not None and params:
@@ -548,7 +556,7 @@ def _time_steps(gm: fx.GraphModule, inputs, repeats: int) -> tuple[dict[str, flo
     for name, values in fwd.items():
         pooled.setdefault(kind[name], []).extend(values)
     return ({name: statistics.median(pooled[kind[name]]) for name in fwd},
-            {name: statistics.median(v) for name, v in bwd.items()})
+            {name: statistics.median(v) for name, v in bwd.items()}, statistics.median(steps))
 
 
 def _whole_forward_ms(gm: fx.GraphModule, inputs, repeats: int) -> float:
@@ -680,14 +688,20 @@ def step_times(modules, inputs, repeats: int) -> list[float]:
     samples: list[list[float]] = [[] for _ in modules]
     for r in range(repeats + 1):
         for i, m in enumerate(modules):
-            start = _now()
-            loss = _scalar_loss(m(*inputs))
-            if loss is not None and params[i]:
-                torch.autograd.grad(loss, params[i], allow_unused=True)
-            del loss
+            ms = _step_ms(m, inputs, params[i])
             if r:
-                samples[i].append((_now() - start) * 1e3)
+                samples[i].append(ms)
     return [statistics.median(s) for s in samples]
+
+
+def _step_ms(module, inputs, params: list[torch.Tensor]) -> float:
+    """Milliseconds of one forward + backward of ``module`` (gradients not accumulated)."""
+    start = _now()
+    loss = _scalar_loss(module(*inputs))
+    if loss is not None and params:
+        torch.autograd.grad(loss, params, allow_unused=True)
+    del loss
+    return (_now() - start) * 1e3
 
 
 @contextlib.contextmanager
@@ -779,7 +793,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
         costs = tuple(interp.costs)
         interp.env.clear()  # the clocks below time steps as training runs them, nothing else held
         if cost_model == "measured":
-            fwd, bwd = _time_steps(gm, example_inputs, repeats)
+            fwd, bwd, step = _time_steps(gm, example_inputs, repeats)
             if interp.allocator_device is not None:
                 fwd = _overlapped(fwd, _whole_forward_ms(gm, example_inputs, repeats))
             costs = tuple(replace(c, fwd_cost=fwd[c.name], bwd_cost=bwd.get(c.name, 0.0)) for c in costs)
@@ -789,9 +803,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
             costs = tuple(replace(c, bwd_cost=2.0 * c.fwd_cost) for c in costs)
             mechanism = None  # no clock: the mechanism is not modelled
         total_fwd = sum(c.fwd_cost for c in costs)
-        if cost_model == "measured":
-            step = step_times([gm], example_inputs, repeats)[0]
-        else:
+        if cost_model != "measured":
             step = 3.0 * total_fwd  # backward ~ twice the forward
     unit = {"measured": "ms", "flops": "flop-equivalents", "compiled": "flop-equivalents", "uniform": "nodes"}[cost_model]
     log.debug("fxremat: profiled %d nodes (%s), step cost %.3g %s", len(costs), cost_model, step, unit)
