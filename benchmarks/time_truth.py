@@ -180,15 +180,23 @@ def strategies(name, build, shape, budget, repeats: int, device: str = "cpu", op
         rows.append({"net": name, "budget": budget, "variant": label,
                      "strategy": plan.strategy if plan else "chain rotor, uniform costs",
                      "peak": peak, "predicted": plan.predicted_overhead if plan else None,
-                     "measured": statistics.median(times[label]) / p - 1})
+                     "measured": statistics.median(times[label]) / p - 1,
+                     "schedule": _schedule(plan.segments) if plan else None})
     auto = next((r for r in rows if r["variant"] == "auto"), None)
     if auto is not None:
         peers = [r for r in rows if r["variant"] != "auto" and r["peak"] <= SAME_MEMORY * auto["peak"]]
         best = min(peers, key=lambda r: r["measured"], default=None)
         for r in rows:
             r["fastest"] = best is not None and r is best
+            r["same_as_auto"] = r is not auto and r["schedule"] == auto["schedule"]
         auto["vs_fastest"] = (1 + auto["measured"]) / (1 + best["measured"]) - 1 if best else 0.0
     return rows
+
+
+def _schedule(segments) -> tuple:
+    """What makes two plans the same schedule: each segment's nodes, whether it is recomputed, and
+    its nested segments (costs and predictions differ between compiles of one schedule)."""
+    return tuple((s.nodes, s.recomputed, _schedule(s.inner)) for s in segments)
 
 
 def _strategy_table(rows) -> str:
@@ -196,7 +204,7 @@ def _strategy_table(rows) -> str:
     lines = ["| net | budget | plan | strategy | measured peak MiB | predicted overhead | measured overhead | "
              "auto vs fastest at ≤ its memory |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        mark = " (fastest at ≤ auto's memory)" if r.get("fastest") else ""
+        mark = (" (fastest at ≤ auto's memory)" if r.get("fastest") else "") + (", auto's plan" if r.get("same_as_auto") else "")
         vs = f"{r['vs_fastest']:+.1%}" if "vs_fastest" in r else ""
         lines.append(f"| {r['net']} | {r['budget']} | {r['variant']}{mark} | {r['strategy']} | {r['peak'] / mib:.2f} "
                      f"| {'—' if r['predicted'] is None else format(r['predicted'], '+.1%')} | {r['measured']:+.1%} "
@@ -274,7 +282,9 @@ def main(argv=None) -> None:
             f"## Every strategy at each budget\n\nEach strategy's own plan (`strategy=`), `auto`, and `auto` with "
             f"`autotune=True`, trained side by side with the plain model (medians of {repeats} interleaved steps; "
             f"peaks measured). The last column: `auto`'s step time over the fastest plan whose measured peak is at "
-            f"most 1% above auto's (its own or another strategy's); issue 15 asks for at most +3%. {_colossal_note()}\n\n"
+            f"most 1% above auto's (its own or another strategy's); issue 15 asks for at most +3%. `auto's plan`: the "
+            f"same schedule as `auto`'s (segments, recomputed ones, nested ones), compiled and measured apart: "
+            f"how far one plan's measured time moves in this loop. {_colossal_note()}\n\n"
             f"{_strategy_table(peer_rows)}\n")
     path = machine.out / (("time_truth_quick" if args.quick else "time_truth")
                           + ("_early_stop" if args.dp_early_stop else "") + ".md")
