@@ -118,7 +118,8 @@ def calibrate(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphC
         plain, *timed = step_times([gm, *modules], inputs, rounds)
     # The steps timed here read on the profile's clock: a machine running slower (or faster)
     # during these seconds than during the profile would otherwise leave its difference times the
-    # recomputed forward in the mechanism (1.6x slower made a per-node factor of 7.9 on one run).
+    # recomputed forward in the mechanism (one benchmark run fitted a per-node factor of 7.86, the
+    # pattern of a machine 1.6x slower for those seconds).
     scale = costs.step_cost / plain if plain > 0 else 1.0
     per_node = replace(graph, checkpoint_time=0)  # hook_time alone: the machine's per-node share
     rows, targets = [], []
