@@ -347,3 +347,37 @@ def test_flops_cost_model_gives_the_same_plan_in_every_process():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         runs.add(out.stdout)
     assert len(runs) == 1 and "[(" in runs.pop()
+
+
+def test_measuring_a_compiled_model_leaves_it_compiled_and_says_what_was_measured():
+    """``fxremat.measure_peak`` runs the call under a dispatch-mode tracker, where torch.compile
+    does not compile and marks the code it meets to be skipped for good: one measured step left
+    a compiled model eager from then on. Now the compiled code runs eagerly for the measurement
+    only, with a warning naming ``allocated_peak``, and the next step runs compiled again; the
+    same for a model compiled by ``fxremat.compile(..., backend=...)``."""
+    calls = []
+
+    def counting(gm, example_inputs):  # a torch.compile backend: counts the compiled graph's runs
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    plain = with_grads(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh()))
+    compiled = torch.compile(copy.deepcopy(plain), backend=counting)
+    remat = fxremat.compile(copy.deepcopy(plain), "min", example_inputs=(x,), backend=counting,
+                            fit_compiled_peak=False)
+    plain_peak = [fxremat.measure_peak(train_step, plain, x)[1] for _ in range(2)][-1]  # the first holds more
+    for model, eager_peak in ((compiled, plain_peak), (remat, None)):
+        train_step(model, x)
+        del calls[:]
+        train_step(model, x)
+        assert calls, "the compiled graph runs"
+        with pytest.warns(UserWarning, match=r"measure_peak: .* is compiled .*allocated_peak"):
+            _, peak = fxremat.measure_peak(train_step, model, x)
+        assert eager_peak is None or peak == eager_peak  # the step run eagerly: its plain twin's
+        del calls[:]
+        train_step(model, x)
+        assert calls, "still compiled after the measurement"
