@@ -367,7 +367,7 @@ def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):
     x = torch.randn(32, 64)
     costs = profile(gm, (x,), cost_model="measured", repeats=3)
     graph = build_graph(gm, costs)
-    assert costs.mechanism.per_checkpoint < 1.0
+    assert costs.mechanism.per_checkpoint < 0.5 * delay * 1e3  # ~0.1 ms; 1.8 ms once with both cores busy
     monkeypatch.setattr(rewrite_pass, "recompute", slow_recompute)
     found = calibrate(gm, (x,), graph, costs, repeats=5)
     assert 0.6 * delay * 1e3 < found.per_checkpoint < 1.6 * delay * 1e3
