@@ -33,6 +33,7 @@ from .core import CostGraph, Schedule
 from .passes.calibrate import calibrate
 from .passes.lower import build_graph
 from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, step_times
+from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
 from .passes.trace import CALL_OPS, hooked_modules, module_of, trace, varargs_reason
@@ -334,7 +335,7 @@ def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choi
         plans.append(_plan_from(graph, alt, costs.cost_model, nodes=nodes, key=key))
     modules = [gm] + [_emit(gm, p) for p in plans]
     if backend != "eager":  # each compiled on its first, untimed, step
-        modules = [torch.compile(m, backend=backend, dynamic=False) for m in modules]
+        modules = [torch.compile(m, backend=_compiler(backend), dynamic=False) for m in modules]
     with _stage("autotuning", f"timing {len(plans)} candidate plans"
                 + ("" if backend == "eager" else f", each compiled by backend {_backend_name(backend)}")), \
             preserved_state(gm):
@@ -343,6 +344,14 @@ def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choi
     trials = tuple(Trial(p.strategy, p.predicted_peak_bytes, p.predicted_overhead, t / plain - 1, i == fastest)
                    for i, (p, t) in enumerate(zip(plans, times)))
     return replace(plans[fastest], autotune=trials)
+
+
+def _compiler(backend):
+    """The ``torch.compile`` backend that runs ``backend``: for ``"inductor"``, Inductor with the
+    plan's segment outputs kept (:func:`fxremat.passes.partition.inductor`: the partitioner
+    otherwise recomputes a region's output that a node outside the regions reads); any other
+    backend as it is."""
+    return partition.inductor if backend == "inductor" else backend
 
 
 def _backend_name(backend) -> str:
@@ -624,7 +633,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
         else:
             remat._prepare(remat._bind(args, kwargs))
     if backend != "eager":
-        remat.compile(backend=backend)
+        remat.compile(backend=_compiler(backend))
         if example_inputs is not None and config.fit_compiled_peak:
             _fit_compiled_peak(remat, args, kwargs)
             remat._remat.fit_signatures = _fits(config)

@@ -56,3 +56,40 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
             assert torch.equal(p.grad, q.grad), f"gradient of {name} differs"
     for (name, x), y in zip(a.named_buffers(), b.buffers()):
         assert torch.equal(x, y), f"buffer {name} differs"
+
+
+def min_cut_replay(keep_segment_outputs: bool = False, graphs: dict | None = None):
+    """A torch.compile backend giving what Inductor is given (AOTAutograd, min-cut partition)
+    and running its graphs op by op, each input let go at its last use as Inductor's code does;
+    with ``keep_segment_outputs``, fxremat's joint-graph pass first (as ``backend="inductor"``
+    runs it); ``graphs`` gets the partitioned ``"forward"`` and ``"backward"`` graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fxremat.passes.partition import keep_segment_outputs as keep
+
+    def partition(joint, joint_inputs, **kwargs):
+        if keep_segment_outputs:
+            keep(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def compiler(gm, example_inputs):
+        if graphs is not None:
+            graphs["backward" if "forward" in graphs else "forward"] = copy.deepcopy(gm.graph)
+        gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+        gm.recompile()
+        run = gm.forward
+
+        def boxed(args):
+            return run(args)
+
+        boxed._boxed_call = True
+        return boxed
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+
+
+def matrix_products(graph: torch.fx.Graph) -> int:
+    """How many matrix products (mm, bmm, addmm) ``graph`` runs."""
+    return sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default,
+                                                        torch.ops.aten.addmm.default) for n in graph.nodes)
