@@ -8,6 +8,7 @@ saving node, and nothing for that node's kernel when it saves only its inputs.
 (The DP against brute force under both weightings: tests/test_kernels.py.)
 """
 
+import copy
 import dataclasses
 import pathlib
 import sys
@@ -23,7 +24,8 @@ from fxremat.passes.profile import profile
 from fxremat.passes.trace import trace
 from fxremat.planner import choose, recompute_time
 from fxremat.simulate import rerun_time
-from _models import assert_same_state, pair, train_step, with_grads
+from fxremat.records import Segment
+from _models import assert_same_state, matrix_products, min_cut_replay, pair, train_step, with_grads
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.nets import transformer_stack  # noqa: E402
@@ -165,3 +167,37 @@ def test_early_stop_plans_train_exactly_within_their_predicted_peak(fraction):
             p.grad = None
     torch.testing.assert_close(train_step(compiled, x), train_step(plain, x), rtol=0, atol=0)
     assert_same_state(plain, compiled)
+
+
+def test_a_compiled_backward_reruns_only_what_it_reads():
+    """In one compiled backward a recomputed segment reruns the nodes whose values its nodes save
+    and what they are computed from (:func:`fxremat.simulate.partitioned_rerun_time`), not torch's
+    early-stop prefix up to the last saving node: the segment's output (a dropout, with its mask)
+    is kept, so the Linear before it is not run again. The partitioner, given the segment with
+    fxremat's pass, runs one matrix product more in the backward than the plan that recomputes
+    nothing, not two."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(32, 32))
+    x = torch.randn(16, 32)
+    gm = trace(model)
+    graph = build_graph(gm, profile(gm, (x,), cost_model="flops"))
+    seg = (0, 1, 2, 3)
+    assert rerun_time(graph, seg) == sum(graph.time[v] for v in seg)  # eager: up to the dropout's mask
+    compiled = dataclasses.replace(graph, param_grads_held=True)
+    assert rerun_time(compiled, seg) == graph.time[0] + graph.time[1]  # the dropout's output and mask are kept
+
+    products = {}
+    plain_plan = fxremat.plan(copy.deepcopy(model), 1.0, example_inputs=(x,), cost_model="flops")
+    segments = (Segment(graph.names[:4], True, (), 0, 0.0), Segment(graph.names[4:], False, (), 0, 0.0))
+    for name, plan in (("plain", plain_plan), ("recomputed", dataclasses.replace(plain_plan, segments=segments))):
+        torch._dynamo.reset()
+        graphs = {}
+        compiled_model = fxremat.compile(copy.deepcopy(model), 2 * plan.budget_bytes, example_inputs=(x,), plan=plan,
+                                         backend=min_cut_replay(True, graphs))
+        assert [s.recomputed for s in compiled_model.plan.segments] == [s.recomputed for s in plan.segments]
+        torch.manual_seed(1)
+        compiled_model(x).sum().backward()
+        products[name] = matrix_products(graphs["backward"])
+    assert products["recomputed"] == products["plain"] + 1
+    torch._dynamo.reset()
