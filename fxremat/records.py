@@ -41,7 +41,9 @@ class Segment:
     ``inner``: for a recomputed segment with nested checkpoints (the rotor strategy), the
     segments its recomputation runs, in the same form; empty when it is recomputed plainly.
     ``recompute_cost`` counts every forward run again, up to torch's early stop (nodes after the
-    last one that saves something are not rerun), nested recomputations included.
+    last one that saves something are not rerun), nested recomputations included; for a compiled
+    step, the nodes its one backward reads and what they come from
+    (:func:`fxremat.simulate.partitioned_rerun_time`).
     """
 
     nodes: tuple[str, ...]
