@@ -276,10 +276,10 @@ def partitioned_rerun_time(graph: CostGraph, seg) -> int:
     values a node of the segment saves, and the nodes of the segment they are computed from, up
     to those outputs. A kept output's extra buffers (a dropout's mask, a norm's statistics) are
     saved with it; another node saving extra buffers is run again for them, without its inputs
-    where only the buffers are needed (a mask comes from the random state). Not torch's early stop, which runs a prefix of the
-    segment: on the 4-block transformer at 0.7 a plan of two whole blocks ran 71 M
-    matrix-product FLOPs again in the partitioned backward; the prefix up to its dropout's mask
-    charged it 116 M cost units (FLOPs plus fused traffic), this count 64 M."""
+    where only the buffers are needed (a mask comes from the random state). Not torch's early
+    stop, which runs a prefix of the segment: on the 4-block transformer at 0.7 a plan of two
+    whole blocks ran 71 M matrix-product FLOPs again in the partitioned backward; the prefix up to
+    its dropout's mask charged it 116 M cost units (FLOPs plus fused traffic), this count 64 M."""
     members = set(seg)
     kept = {v for v in seg if graph.is_output[v] or any(s not in members for s in graph.succs[v])}
     wanted = [w for u in seg for w in graph.saved[u] if w in members]

@@ -947,6 +947,33 @@ def test_compiled_backward_holds_parameter_gradients_to_its_end():
     torch._dynamo.reset()
 
 
+def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monkeypatch):
+    """backend="inductor" compiles with fxremat's joint-graph pass (the segment outputs kept),
+    and a joint_custom_pre_pass the user configured still runs; the compiled step trains as the
+    plain model does (Inductor's tolerance)."""
+    from fxremat.passes import partition
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))])
+    x = torch.randn(8, 32)
+    marked, seen = [], []
+    keep = partition.keep_segment_outputs
+    monkeypatch.setattr(partition, "keep_segment_outputs", lambda graph: marked.append(keep(graph)) or marked[-1])
+    monkeypatch.setattr(torch._inductor.config, "joint_custom_pre_pass", lambda graph: seen.append(len(graph.nodes)))
+    plain = with_grads(copy.deepcopy(model))
+    compiled = with_grads(fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend="inductor",
+                                          fit_compiled_peak=False))
+    assert any(s.recomputed for s in compiled.plan.segments)
+    for m in (plain, compiled):
+        torch.manual_seed(1)
+        loss_of(m(x)).backward()
+    assert marked and marked[0] > 0 and seen  # both passes ran on the joint graph
+    for p, q in zip(plain.parameters(), compiled.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
 def test_backend_is_checked_at_the_call():
     with pytest.raises(ValueError, match="backend 'nope' is not a torch.compile backend.*list_backends"):
         fxremat.compile(small_unet(), 0.5, backend="nope")

@@ -11,9 +11,10 @@ the plan's 85 M and its peak was 6.7 MiB for 8.4 MiB predicted.
 
 :func:`keep_segment_outputs`, a pass over the joint graph before it is partitioned, marks every
 region node that the forward reads outside its region (and, where that node is a view or an
-item of a tuple, the region node it views or takes it from) as ``MUST_SAVE``: the partitioner then saves it where the backward needs it,
-as the plan does, and recomputes the interior only. :func:`inductor` is Inductor with the pass;
-``fxremat.compile(..., backend="inductor")`` compiles with it.
+item of a tuple, the region node it views or takes it from) as ``MUST_SAVE``: the partitioner
+then saves it where the backward needs it, as the plan does, and recomputes the interior only.
+:func:`inductor` is Inductor with the pass; ``fxremat.compile(..., backend="inductor")``
+compiles with it.
 """
 
 from __future__ import annotations
@@ -85,11 +86,13 @@ def keep_segment_outputs(graph: fx.Graph) -> int:
     for node in graph.nodes:
         if region[node] is None:
             continue
-        if node not in forward_outputs and not any(u in forward and region[u] != region[node] for u in node.users):
+        read_outside = any(u in forward and region[u] != region[node] for u in node.users)
+        if node not in forward_outputs and not read_outside:
             continue
         while node is not None and region[node] is not None:
             # a tuple saved with its items: all of them, as the partitioner cannot recompute one
-            for n in (node, *(u for u in node.users if u.target is operator.getitem and region[u] is not None)):
+            items = [u for u in node.users if u.target is operator.getitem and region[u] is not None]
+            for n in (node, *items):
                 if n.meta.get("recompute") is not CheckpointPolicy.MUST_SAVE:
                     n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                     marked += 1
@@ -109,7 +112,7 @@ def _joint_pass():
             keep_segment_outputs(graph)
 
         def uuid(self) -> str:
-            source = inspect.getsource(keep_segment_outputs) + inspect.getsource(_source)
+            source = "".join(inspect.getsource(f) for f in (keep_segment_outputs, _source, _region))
             return hashlib.sha256(source.encode()).hexdigest()
 
     return KeepSegmentOutputs()
