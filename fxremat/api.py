@@ -347,11 +347,12 @@ def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choi
 
 
 def _compiler(backend):
-    """The ``torch.compile`` backend that runs ``backend``: for ``"inductor"``, Inductor with the
-    plan's segment outputs kept (:func:`fxremat.passes.partition.inductor`: the partitioner
-    otherwise recomputes a region's output that a node outside the regions reads); any other
-    backend as it is."""
-    return partition.inductor if backend == "inductor" else backend
+    """The ``torch.compile`` backend that runs ``backend``: for ``"inductor"`` and ``"aot_eager"``,
+    that backend with the plan's segment outputs kept (:mod:`fxremat.passes.partition`: the
+    min-cut partitioner otherwise recomputes a region's output that a node outside the regions
+    reads); any other backend as it is."""
+    return {"inductor": partition.inductor, "aot_eager": partition.aot_eager}.get(backend, backend) \
+        if isinstance(backend, str) else backend
 
 
 def _backend_name(backend) -> str:
@@ -569,8 +570,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     ``backend``: ``"eager"`` runs the emitted code as it is; ``"inductor"`` (or any
     ``torch.compile`` backend name or function) compiles the returned module in place
     (``nn.Module.compile``: same object, same ``state_dict`` keys), so AOTAutograd recomputes each
-    planned segment in the compiled backward (with ``"inductor"``, keeping the segments' outputs
-    as the plan does: :mod:`fxremat.passes.partition`), and plans with ``cost_model="compiled"`` unless
+    planned segment in the compiled backward (with ``"inductor"`` or ``"aot_eager"``, keeping the
+    segments' outputs as the plan does: :mod:`fxremat.passes.partition`), and plans with ``cost_model="compiled"`` unless
     another is given, and ``strategy="auto"`` leaves out rotor's nested checkpoints (measured
     under Inductor, a plan with them was not kept: 10.4 MiB against a 3.9 MiB plan on a
     transformer stack). Numerics are then Inductor's (fused kernels round differently from eager).
@@ -683,7 +684,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     A compiler keeps buffers of its own that the plan's simulator does not see (Inductor's layout
     copies on the CPU, its kernels' temporaries), and may free some the simulator keeps (AOTAutograd
     recomputes a region's output for its later readers rather than save it, except under
-    ``backend="inductor"``, whose pass keeps them: :mod:`fxremat.passes.partition`): one compiled step on
+    ``backend="inductor"`` or ``"aot_eager"``, whose pass keeps them: :mod:`fxremat.passes.partition`): one compiled step on
     the example inputs is measured (:func:`_compiled_step_peak`) and, where it exceeds the budget,
     the plan is made again for a budget lowered by the excess (the least feasible one where that
     is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not

@@ -923,6 +923,38 @@ def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries():
     torch._dynamo.reset()
 
 
+def test_backend_aot_eager_keeps_the_segment_outputs_as_inductor_does():
+    """``backend="aot_eager"`` runs :func:`fxremat.passes.partition.keep_segment_outputs` before its
+    partitioner too (:func:`fxremat.passes.partition.aot_eager`): the transformer's 0.7 plan
+    measures its predicted peak, where torch's own ``aot_eager`` recomputes the segment outputs
+    and measures well under it; the gradients are the plain model's either way."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    torch.manual_seed(0)
+    model = transformer_stack(depth=4, dim=64, heads=4)
+    x = torch.randn(2, 128, 64)
+    plain = with_grads(copy.deepcopy(model))
+    for seed in (1, 2):  # its dropout draws the masks of these seeds
+        torch.manual_seed(seed)
+        loss_of(plain(x)).backward()
+    ratio = {}
+    for name, backend in (("fxremat", "aot_eager"), ("torch", aot_eager)):
+        torch._dynamo.reset()
+        compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), fit_compiled_peak=False,
+                                   dp_early_stop=True, backend=backend)
+        assert sum(s.recomputed for s in compiled.plan.segments) >= 8
+        with_grads(compiled)
+        torch.manual_seed(1)
+        loss_of(compiled(x)).backward()  # compiles both graphs
+        torch.manual_seed(2)
+        ratio[name] = allocated_peak(lambda: loss_of(compiled(x)).backward()) / compiled.plan.predicted_peak_bytes
+        for p, q in zip(plain.parameters(), compiled.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert 0.95 <= ratio["fxremat"] <= 1.05
+    assert ratio["torch"] < 0.9
+    torch._dynamo.reset()
+
+
 def test_compiled_backward_holds_parameter_gradients_to_its_end():
     """Under torch.compile the backward is one graph that returns every parameter's gradient when
     it ends; with a backend the plan counts them alive until then. On an MLP whose weights

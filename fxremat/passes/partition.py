@@ -13,8 +13,8 @@ the plan's 85 M and its peak was 6.7 MiB for 8.4 MiB predicted.
 region node that the forward reads outside its region (and, where that node is a view or an
 item of a tuple, the region node it views or takes it from) as ``MUST_SAVE``: the partitioner
 then saves it where the backward needs it, as the plan does, and recomputes the interior only.
-:func:`inductor` is Inductor with the pass; ``fxremat.compile(..., backend="inductor")``
-compiles with it.
+:func:`inductor` is Inductor with the pass and :func:`aot_eager` AOTAutograd's eager backend with
+it; ``fxremat.compile(..., backend="inductor")`` (or ``"aot_eager"``) compiles with them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["keep_segment_outputs", "inductor"]
+__all__ = ["keep_segment_outputs", "inductor", "aot_eager"]
 
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -128,3 +128,19 @@ def inductor(gm: fx.GraphModule, example_inputs):
     current = [] if current is None else list(current) if isinstance(current, (list, tuple)) else [current]
     with torch._inductor.config.patch(joint_custom_pre_pass=[keep] + [p for p in current if p is not keep]):
         return compile_fx(gm, example_inputs)
+
+
+def aot_eager(gm: fx.GraphModule, example_inputs, **kwargs):
+    """A ``torch.compile`` backend: ``"aot_eager"`` (AOTAutograd with the min-cut partitioner, its
+    graphs run as they are), with :func:`keep_segment_outputs` run on the joint graph first."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def partition(joint: fx.GraphModule, joint_inputs, **options):
+        keep_segment_outputs(joint.graph)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **options)
+
+    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
+                           keep_inference_input_mutations=True)
+    return backend(gm, example_inputs, **kwargs)
