@@ -335,24 +335,15 @@ def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choi
         plans.append(_plan_from(graph, alt, costs.cost_model, nodes=nodes, key=key))
     modules = [gm] + [_emit(gm, p) for p in plans]
     if backend != "eager":  # each compiled on its first, untimed, step
-        modules = [torch.compile(m, backend=_compiler(backend), dynamic=False) for m in modules]
+        modules = [torch.compile(m, backend=backend, dynamic=False) for m in modules]
     with _stage("autotuning", f"timing {len(plans)} candidate plans"
                 + ("" if backend == "eager" else f", each compiled by backend {_backend_name(backend)}")), \
-            preserved_state(gm):
+            preserved_state(gm), partition.keeping_segment_outputs():
         plain, *times = step_times(modules, inputs, AUTOTUNE_STEPS)
     fastest = min(range(len(plans)), key=lambda i: times[i])
     trials = tuple(Trial(p.strategy, p.predicted_peak_bytes, p.predicted_overhead, t / plain - 1, i == fastest)
                    for i, (p, t) in enumerate(zip(plans, times)))
     return replace(plans[fastest], autotune=trials)
-
-
-def _compiler(backend):
-    """The ``torch.compile`` backend that runs ``backend``: for ``"inductor"`` and ``"aot_eager"``,
-    that backend with the plan's segment outputs kept (:mod:`fxremat.passes.partition`: the
-    min-cut partitioner otherwise recomputes a region's output that a node outside the regions
-    reads); any other backend as it is."""
-    return {"inductor": partition.inductor, "aot_eager": partition.aot_eager}.get(backend, backend) \
-        if isinstance(backend, str) else backend
 
 
 def _backend_name(backend) -> str:
@@ -570,8 +561,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     ``backend``: ``"eager"`` runs the emitted code as it is; ``"inductor"`` (or any
     ``torch.compile`` backend name or function) compiles the returned module in place
     (``nn.Module.compile``: same object, same ``state_dict`` keys), so AOTAutograd recomputes each
-    planned segment in the compiled backward (with ``"inductor"`` or ``"aot_eager"``, keeping the
-    segments' outputs as the plan does: :mod:`fxremat.passes.partition`), and plans with ``cost_model="compiled"`` unless
+    planned segment in the compiled backward (keeping the segments' outputs as the plan does:
+    :mod:`fxremat.passes.partition`), and plans with ``cost_model="compiled"`` unless
     another is given, and ``strategy="auto"`` leaves out rotor's nested checkpoints (measured
     under Inductor, a plan with them was not kept: 10.4 MiB against a 3.9 MiB plan on a
     transformer stack). Numerics are then Inductor's (fused kernels round differently from eager).
@@ -635,7 +626,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
         else:
             remat._prepare(remat._bind(args, kwargs))
     if backend != "eager":
-        remat.compile(backend=_compiler(backend))
+        remat.compile(backend=backend)
         if example_inputs is not None and config.fit_compiled_peak:
             _fit_compiled_peak(remat, args, kwargs)
             remat._remat.fit_signatures = _fits(config)
@@ -683,8 +674,8 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
 
     A compiler keeps buffers of its own that the plan's simulator does not see (Inductor's layout
     copies on the CPU, its kernels' temporaries), and may free some the simulator keeps (AOTAutograd
-    recomputes a region's output for its later readers rather than save it, except under
-    ``backend="inductor"`` or ``"aot_eager"``, whose pass keeps them: :mod:`fxremat.passes.partition`): one compiled step on
+    recomputes a region's output for its later readers rather than save it, unless fxremat's pass
+    keeps them, as it does for a RematModule: :mod:`fxremat.passes.partition`): one compiled step on
     the example inputs is measured (:func:`_compiled_step_peak`) and, where it exceeds the budget,
     the plan is made again for a budget lowered by the excess (the least feasible one where that
     is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not
@@ -1081,6 +1072,25 @@ def _eager_between_graphs(fn):
     return call
 
 
+def _keeping(gm: fx.GraphModule, inputs):
+    with partition.keeping_segment_outputs():
+        return gm(*inputs)
+
+
+_keeping_frame = torch.compiler.disable(_keeping, recursive=False)
+
+
+def _run_emitted(gm: fx.GraphModule, inputs):
+    """``gm(*inputs)``; under ``torch.compile``, in a frame of its own that Dynamo leaves to Python
+    (not the frames it calls: the emitted code is compiled as one graph, by the backend the
+    user chose) and that runs it within :func:`fxremat.passes.partition.keeping_segment_outputs`,
+    so that AOTAutograd keeps the segment outputs the plan keeps, also for ``torch.compile(remat)``
+    by hand, with any backend."""
+    if torch.compiler.is_compiling():
+        return _keeping_frame(gm, inputs)
+    return gm(*inputs)
+
+
 def _warn_unfitted(state: "_State", key: tuple) -> None:
     """Warn once when a signature is planned at a training step after the example inputs' plan
     was fitted to the compiled step's peak: this one is not measured, and the compiler's own
@@ -1249,10 +1259,10 @@ class RematModule(torch.nn.Module):
     def _compiled_forward(self, *args, **kwargs):
         if self._remat.traced is None:  # captured per call (torch.export)
             _, gm, _, captured = self._prepare_call(args, kwargs)
-            return captured.output(gm(*captured.inputs(args, kwargs)))
+            return captured.output(_run_emitted(gm, captured.inputs(args, kwargs)))
         inputs = self._bind(args, kwargs)
         gm = self._prepare(inputs)[1]
-        return gm(*inputs)
+        return _run_emitted(gm, inputs)
 
     @_eager_between_graphs
     def _prepare_call(self, args: tuple, kwargs: dict):

@@ -58,20 +58,13 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"buffer {name} differs"
 
 
-def min_cut_replay(keep_segment_outputs: bool = False, graphs: dict | None = None):
+def min_cut_replay(graphs: dict | None = None):
     """A torch.compile backend giving what Inductor is given (AOTAutograd, min-cut partition)
     and running its graphs op by op, each input let go at its last use as Inductor's code does;
-    with ``keep_segment_outputs``, fxremat's joint-graph pass first (as ``backend="inductor"``
-    runs it); ``graphs`` gets the partitioned ``"forward"`` and ``"backward"`` graphs."""
+    ``graphs`` gets the partitioned ``"forward"`` and ``"backward"`` graphs. (A RematModule runs
+    fxremat's joint-graph pass before the partition, as under any backend.)"""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    from fxremat.passes.partition import keep_segment_outputs as keep
-
-    def partition(joint, joint_inputs, **kwargs):
-        if keep_segment_outputs:
-            keep(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def compiler(gm, example_inputs):
         if graphs is not None:
@@ -86,7 +79,15 @@ def min_cut_replay(keep_segment_outputs: bool = False, graphs: dict | None = Non
         boxed._boxed_call = True
         return boxed
 
-    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=min_cut_rematerialization_partition)
+
+
+def without_the_segment_output_pass(monkeypatch) -> None:
+    """Make RematModules call their emitted code plainly under torch.compile, without
+    :func:`fxremat.passes.partition.keeping_segment_outputs`: what AOTAutograd does on its own."""
+    from fxremat import api
+
+    monkeypatch.setattr(api, "_run_emitted", lambda gm, inputs: gm(*inputs))
 
 
 def matrix_products(graph: torch.fx.Graph) -> int:

@@ -194,7 +194,7 @@ def test_a_compiled_backward_reruns_only_what_it_reads():
         torch._dynamo.reset()
         graphs = {}
         compiled_model = fxremat.compile(copy.deepcopy(model), 2 * plan.budget_bytes, example_inputs=(x,), plan=plan,
-                                         backend=min_cut_replay(True, graphs))
+                                         backend=min_cut_replay(graphs))
         assert [s.recomputed for s in compiled_model.plan.segments] == [s.recomputed for s in plan.segments]
         torch.manual_seed(1)
         compiled_model(x).sum().backward()

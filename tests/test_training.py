@@ -18,7 +18,8 @@ import torch.nn as nn
 import fxremat
 from fxremat.measure import allocated_peak
 from fxremat.runtime import recompute
-from _models import assert_same_state, loss_of, matrix_products, min_cut_replay, pair, small_unet, train_step, with_grads
+from _models import (assert_same_state, loss_of, matrix_products, min_cut_replay, pair, small_unet, train_step, with_grads,
+                     without_the_segment_output_pass)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.nets import transformer_stack  # noqa: E402
@@ -887,14 +888,15 @@ def test_backend_compiles_in_place_with_the_compiled_cost_model():
     torch._dynamo.reset()
 
 
-def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries():
+def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries(monkeypatch):
     """AOTAutograd's partitioner cannot save a node of a checkpoint region, so an output of a
     recomputed segment read outside the regions (a residual add, a Linear that saves its input)
     is recomputed in the backward with the segment's chain behind it: on a 4-block transformer
     at 0.7 (16 small segments, planned with the early stop) the compiled step ran 6 matrix
     products more than with the pass and its peak was 0.77x the plan's. With
-    :func:`fxremat.passes.partition.keep_segment_outputs` (what ``backend="inductor"`` runs) the
-    peak is the predicted one, the gradients the plain model's."""
+    :func:`fxremat.passes.partition.keep_segment_outputs` (what a RematModule runs its emitted
+    code with under torch.compile) the peak is the predicted one, the gradients the plain
+    model's."""
     torch.manual_seed(0)
     model = transformer_stack(depth=4, dim=64, heads=4)
     x = torch.randn(2, 128, 64)
@@ -906,14 +908,17 @@ def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries():
     for keep in (False, True):
         torch._dynamo.reset()
         graphs = {}
-        compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), fit_compiled_peak=False,
-                                   dp_early_stop=True, backend=min_cut_replay(keep, graphs))
-        assert sum(s.recomputed for s in compiled.plan.segments) >= 8
-        with_grads(compiled)
-        torch.manual_seed(1)
-        loss_of(compiled(x)).backward()  # compiles both graphs
-        torch.manual_seed(2)
-        measured = allocated_peak(lambda: loss_of(compiled(x)).backward())
+        with monkeypatch.context() as patched:
+            if not keep:
+                without_the_segment_output_pass(patched)
+            compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), fit_compiled_peak=False,
+                                       dp_early_stop=True, backend=min_cut_replay(graphs))
+            assert sum(s.recomputed for s in compiled.plan.segments) >= 8
+            with_grads(compiled)
+            torch.manual_seed(1)
+            loss_of(compiled(x)).backward()  # compiles both graphs
+            torch.manual_seed(2)
+            measured = allocated_peak(lambda: loss_of(compiled(x)).backward())
         found[keep] = measured / compiled.plan.predicted_peak_bytes, matrix_products(graphs["backward"])
         for p, q in zip(plain.parameters(), compiled.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
@@ -923,13 +928,13 @@ def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries():
     torch._dynamo.reset()
 
 
-def test_backend_aot_eager_keeps_the_segment_outputs_as_inductor_does():
-    """``backend="aot_eager"`` runs :func:`fxremat.passes.partition.keep_segment_outputs` before its
-    partitioner too (:func:`fxremat.passes.partition.aot_eager`): the transformer's 0.7 plan
-    measures its predicted peak, where torch's own ``aot_eager`` recomputes the segment outputs
-    and measures well under it; the gradients are the plain model's either way."""
-    from torch._dynamo.backends.debugging import aot_eager
-
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_by_hand_keeps_the_segment_outputs(backend, monkeypatch):
+    """``torch.compile(fxremat.compile(model, budget))`` with torch's own backends: the RematModule
+    runs its emitted code within :func:`fxremat.passes.partition.keeping_segment_outputs`, so the
+    transformer's 0.7 plan keeps its segment outputs there too (without it: 0.78x the predicted
+    peak under aot_eager, 0.83x under Inductor, which keeps buffers of its own on top: 1.10x with
+    it); the gradients are the plain model's (Inductor's tolerance)."""
     torch.manual_seed(0)
     model = transformer_stack(depth=4, dim=64, heads=4)
     x = torch.randn(2, 128, 64)
@@ -938,20 +943,24 @@ def test_backend_aot_eager_keeps_the_segment_outputs_as_inductor_does():
         torch.manual_seed(seed)
         loss_of(plain(x)).backward()
     ratio = {}
-    for name, backend in (("fxremat", "aot_eager"), ("torch", aot_eager)):
+    for keep in (False, True) if backend == "aot_eager" else (True,):  # (Inductor compiles for tens of seconds)
         torch._dynamo.reset()
-        compiled = fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), fit_compiled_peak=False,
-                                   dp_early_stop=True, backend=backend)
-        assert sum(s.recomputed for s in compiled.plan.segments) >= 8
-        with_grads(compiled)
-        torch.manual_seed(1)
-        loss_of(compiled(x)).backward()  # compiles both graphs
-        torch.manual_seed(2)
-        ratio[name] = allocated_peak(lambda: loss_of(compiled(x)).backward()) / compiled.plan.predicted_peak_bytes
-        for p, q in zip(plain.parameters(), compiled.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
-    assert 0.95 <= ratio["fxremat"] <= 1.05
-    assert ratio["torch"] < 0.9
+        with monkeypatch.context() as patched:
+            if not keep:
+                without_the_segment_output_pass(patched)
+            remat = with_grads(fxremat.compile(copy.deepcopy(model), 0.7, example_inputs=(x,), dp_early_stop=True,
+                                               cost_model="compiled"))
+            assert sum(s.recomputed for s in remat.plan.segments) >= 8
+            fast = torch.compile(remat, backend=backend, dynamic=False)
+            torch.manual_seed(1)
+            loss_of(fast(x)).backward()  # compiles both graphs
+            torch.manual_seed(2)
+            ratio[keep] = allocated_peak(lambda: loss_of(fast(x)).backward()) / remat.plan.predicted_peak_bytes
+        for p, q in zip(plain.parameters(), remat.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5) if backend == "aot_eager" else \
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-2)
+    assert ratio.get(False, 0) < 0.9
+    assert 0.95 <= ratio[True] <= (1.05 if backend == "aot_eager" else 1.2)
     torch._dynamo.reset()
 
 
@@ -992,14 +1001,15 @@ def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monk
     marked, seen = [], []
     keep = partition.keep_segment_outputs
     monkeypatch.setattr(partition, "keep_segment_outputs", lambda graph: marked.append(keep(graph)) or marked[-1])
-    monkeypatch.setattr(torch._inductor.config, "joint_custom_pre_pass", lambda graph: seen.append(len(graph.nodes)))
     plain = with_grads(copy.deepcopy(model))
     compiled = with_grads(fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend="inductor",
                                           fit_compiled_peak=False))
     assert any(s.recomputed for s in compiled.plan.segments)
-    for m in (plain, compiled):
-        torch.manual_seed(1)
-        loss_of(m(x)).backward()
+    # (config.patch, not monkeypatch: pytest's undo deletes a config module's setting, which hides it)
+    with torch._inductor.config.patch(joint_custom_pre_pass=lambda graph: seen.append(len(graph.nodes))):
+        for m in (plain, compiled):
+            torch.manual_seed(1)
+            loss_of(m(x)).backward()
     assert marked and marked[0] > 0 and seen  # both passes ran on the joint graph
     for p, q in zip(plain.parameters(), compiled.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)

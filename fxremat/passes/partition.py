@@ -13,22 +13,26 @@ the plan's 85 M and its peak was 6.7 MiB for 8.4 MiB predicted.
 region node that the forward reads outside its region (and, where that node is a view or an
 item of a tuple, the region node it views or takes it from) as ``MUST_SAVE``: the partitioner
 then saves it where the backward needs it, as the plan does, and recomputes the interior only.
-:func:`inductor` is Inductor with the pass and :func:`aot_eager` AOTAutograd's eager backend with
-it; ``fxremat.compile(..., backend="inductor")`` (or ``"aot_eager"``) compiles with them.
+Within :func:`keeping_segment_outputs` every AOTAutograd backend runs the pass. A
+``RematModule`` calls its emitted code in it under ``torch.compile`` (``fxremat.compile(...,
+backend=...)`` and ``torch.compile(remat)`` by hand, any backend), and autotune times its compiled
+candidates in it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
 import operator
+import sys
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["keep_segment_outputs", "inductor", "aot_eager"]
+__all__ = ["keep_segment_outputs", "keeping_segment_outputs"]
 
 _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
 
@@ -118,29 +122,46 @@ def _joint_pass():
     return KeepSegmentOutputs()
 
 
-def inductor(gm: fx.GraphModule, example_inputs):
-    """A ``torch.compile`` backend: Inductor, with :func:`keep_segment_outputs` run on the joint
-    graph before the passes that the ``joint_custom_pre_pass`` config already names."""
-    from torch._inductor.compile_fx import compile_fx
+def _joint_custom_pass(user):
+    """:func:`keep_segment_outputs`, then the user's own ``torch._functorch.config.joint_custom_pass``
+    (``user``, where one is set), in that config's form."""
 
-    keep = _joint_pass()
-    current = torch._inductor.config.joint_custom_pre_pass
-    current = [] if current is None else list(current) if isinstance(current, (list, tuple)) else [current]
-    with torch._inductor.config.patch(joint_custom_pre_pass=[keep] + [p for p in current if p is not keep]):
-        return compile_fx(gm, example_inputs)
+    def joint_pass(gm: fx.GraphModule, joint_inputs):
+        keep_segment_outputs(gm.graph)
+        return user(gm, joint_inputs) if callable(user) else gm
+
+    joint_pass.fxremat_keeps = True
+    return joint_pass
 
 
-def aot_eager(gm: fx.GraphModule, example_inputs, **kwargs):
-    """A ``torch.compile`` backend: ``"aot_eager"`` (AOTAutograd with the min-cut partitioner, its
-    graphs run as they are), with :func:`keep_segment_outputs` run on the joint graph first."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.debugging import boxed_nop
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+_KEEP_ONLY = _joint_custom_pass(None)
 
-    def partition(joint: fx.GraphModule, joint_inputs, **options):
-        keep_segment_outputs(joint.graph)
-        return min_cut_rematerialization_partition(joint, joint_inputs, **options)
 
-    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop, partition_fn=partition,
-                           keep_inference_input_mutations=True)
-    return backend(gm, example_inputs, **kwargs)
+@contextlib.contextmanager
+def keeping_segment_outputs():
+    """Within it, every joint graph AOTAutograd partitions runs :func:`keep_segment_outputs` first,
+    whatever the ``torch.compile`` backend: through ``torch._functorch.config.joint_custom_pass``
+    (every AOTAutograd backend; the user's own pass still runs, after it) and, where Inductor is
+    imported, its ``joint_custom_pre_pass`` too (a pass with a ``uuid``, so that Inductor's caches,
+    which do not key on the former, tell its graphs apart). Compiles started inside it (Dynamo
+    compiles a frame when it is first entered) partition with the pass; nothing else changes.
+    The two settings are set and put back as attributes (``config.patch`` costs ~40 µs, and this
+    is entered at each compiled step)."""
+    functorch = torch._functorch.config
+    inductor_config = sys.modules.get("torch._inductor.config")
+    saved = []
+    user = functorch.joint_custom_pass
+    if not getattr(user, "fxremat_keeps", False):
+        saved.append((functorch, "joint_custom_pass", user))
+        functorch.joint_custom_pass = _KEEP_ONLY if user is None else _joint_custom_pass(user)
+    if inductor_config is not None:
+        keep, current = _joint_pass(), inductor_config.joint_custom_pre_pass
+        listed = [] if current is None else list(current) if isinstance(current, (list, tuple)) else [current]
+        if keep not in listed:
+            saved.append((inductor_config, "joint_custom_pre_pass", current))
+            inductor_config.joint_custom_pre_pass = [keep] + listed
+    try:
+        yield
+    finally:
+        for config, name, value in reversed(saved):
+            setattr(config, name, value)
