@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import fxremat
 from fxremat.measure import allocated_peak
@@ -928,12 +929,41 @@ def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries(monke
     torch._dynamo.reset()
 
 
+def test_the_segment_output_pass_run_twice_marks_nothing_more():
+    """Under Inductor the pass runs twice (functorch's joint pass, then Inductor's own): the second
+    run must find nothing to mark. (A node it marked saved once counted as outside its region, so
+    the second run kept the region nodes it reads, and on: the U-Net at 0.7 measured 37.7 MiB for
+    31.7.)"""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from fxremat.passes.partition import keep_segment_outputs
+
+    runs = []
+
+    def partition(joint, joint_inputs, **kwargs):  # after the RematModule's own run of the pass
+        tags = [n.meta.get("recompute") for n in joint.graph.nodes]
+        runs.append((keep_segment_outputs(joint.graph), tags == [n.meta.get("recompute") for n in joint.graph.nodes],
+                     sum(t is CheckpointPolicy.MUST_SAVE for t in tags)))
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = small_unet(), torch.randn(*SHAPE)
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), fit_compiled_peak=False,
+                               backend=aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition))
+    assert sum(s.recomputed for s in compiled.plan.segments) >= 2
+    loss_of(compiled(x)).backward()
+    assert runs and all(marked == 0 and same and saved > 0 for marked, same, saved in runs)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_by_hand_keeps_the_segment_outputs(backend, monkeypatch):
     """``torch.compile(fxremat.compile(model, budget))`` with torch's own backends: the RematModule
     runs its emitted code within :func:`fxremat.passes.partition.keeping_segment_outputs`, so the
     transformer's 0.7 plan keeps its segment outputs there too (without it: 0.78x the predicted
-    peak under aot_eager, 0.83x under Inductor, which keeps buffers of its own on top: 1.10x with
+    peak under aot_eager, 0.83x under Inductor, which keeps buffers of its own on top: 1.07x with
     it); the gradients are the plain model's (Inductor's tolerance)."""
     torch.manual_seed(0)
     model = transformer_stack(depth=4, dim=64, heads=4)
@@ -960,7 +990,7 @@ def test_torch_compile_by_hand_keeps_the_segment_outputs(backend, monkeypatch):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5) if backend == "aot_eager" else \
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-2, atol=1e-2)
     assert ratio.get(False, 0) < 0.9
-    assert 0.95 <= ratio[True] <= (1.05 if backend == "aot_eager" else 1.2)
+    assert 0.95 <= ratio[True] <= (1.05 if backend == "aot_eager" else 1.15)
     torch._dynamo.reset()
 
 

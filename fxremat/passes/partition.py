@@ -38,8 +38,12 @@ _RECOMPUTED = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUT
 
 
 def _region(node: fx.Node):
-    """The checkpoint region (its ``ac_graph_id``) whose recomputation ``node`` belongs to, or None."""
-    if node.meta.get("recompute") in _RECOMPUTED:
+    """The checkpoint region (its ``ac_graph_id``) ``node`` belongs to, or None: also where it is
+    marked saved, so that a second run of the pass (it runs under functorch's and Inductor's joint
+    pass alike) does not take the region nodes read by the ones it marked for outputs read
+    outside, and keep the whole region (the U-Net at 0.7 under Inductor: 37.7 MiB where one run
+    measures 31.7)."""
+    if node.meta.get("recompute") is not None:
         return node.meta.get("ac_graph_id", -1)
     return None
 
@@ -88,7 +92,7 @@ def keep_segment_outputs(graph: fx.Graph) -> int:
     region = {node: _region(node) for node in graph.nodes}
     marked = 0
     for node in graph.nodes:
-        if region[node] is None:
+        if node.meta.get("recompute") not in _RECOMPUTED:
             continue
         read_outside = any(u in forward and region[u] != region[node] for u in node.users)
         if node not in forward_outputs and not read_outside:
