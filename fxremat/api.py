@@ -679,8 +679,8 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
     the example inputs is measured (:func:`_compiled_step_peak`) and, where it exceeds the budget,
     the plan is made again for a budget lowered by the excess (the least feasible one where that
     is below it), where it stays more than :data:`FIT_SLACK` under it (and the plan was not
-    autotuned), for a budget raised by the slack (a plan that recomputes less), then from the
-    secant through the plans measured (:func:`_next_fit_budget`); the graph's profile is reused, without autotune, up to :data:`FIT_REPLANS` times (at ``budget="min"`` it is
+    autotuned), for a budget raised by the slack (a plan that recomputes less); the graph's
+    profile is reused, without autotune, up to :data:`FIT_REPLANS` times (at ``budget="min"`` it is
     only measured), and a new plan is only compiled and measured where it is predicted
     :data:`FIT_GAIN` of a step faster than every one measured within the budget. Kept: the fastest
     predicted plan that measured within the budget, else the one that measured least (a warning
@@ -730,7 +730,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
                 break
             if config.budget.minimum:  # no plan reaches less
                 break
-            moved = _next_fit_budget([(p.predicted_peak_bytes, m) for p, m in tried], target)
+            moved = plan.predicted_peak_bytes + (target - peak)  # lowered by the excess, raised by the slack
             graph_costs = graph_costs or lowered()
             try:
                 new = _chosen(gm, inputs, *graph_costs, replace(config, budget=parse_budget(max(2, moved)),
@@ -759,35 +759,6 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
                       f"is {format_bytes(peak)}, {peak / target:.2f}x the budget {format_bytes(target)} (plans "
                       f"tried: {measured}); the compiler keeps buffers the plan cannot lower. {advice}.",
                       stacklevel=3)
-
-
-def _next_fit_budget(tried: list[tuple[int, int]], target: int) -> int:
-    """The budget to plan for next in :func:`_fit_compiled_peak`, from the ``(predicted, measured)``
-    peaks of the plans measured so far (the last one last).
-
-    After one plan, its predicted peak moved by what its step measured off ``target`` (the
-    compiler's excess taken as constant). After more, the excess is seen to grow with the plan's
-    peak (the U-Net's compiled step on two CPU threads kept 3.9 MiB over its 17.3 MiB plan, 6.7
-    over 20.0 and 9.1 over 26.0: conv workspaces and Inductor's buffers): the secant through
-    the measured plans nearest to ``target``, one on each side where there are, aimed a quarter
-    of ``FIT_SLACK`` under it (one plan's measured peak repeats within ~1%; a plan measured over
-    the budget is a compile lost). Where the measurements do not rise with the predictions, the
-    last plan's rule."""
-    predicted, measured = tried[-1]
-    constant = predicted + (target - measured)
-    if len(tried) < 2:
-        return constant
-    aim = (1 - FIT_SLACK / 4) * target
-    under = [t for t in tried if t[1] <= aim]
-    over = [t for t in tried if t[1] > aim]
-    if under and over:
-        pair = (max(under, key=lambda t: t[1]), min(over, key=lambda t: t[1]))
-    else:
-        pair = tuple(sorted(tried, key=lambda t: abs(t[1] - aim))[:2])
-    (p1, m1), (p2, m2) = pair
-    if p1 == p2 or (m2 - m1) / (p2 - p1) <= 0:
-        return constant
-    return int(p1 + (aim - m1) * (p2 - p1) / (m2 - m1))
 
 
 def _signature(inputs: tuple) -> tuple:

@@ -199,24 +199,3 @@ def test_a_shape_planned_at_a_training_step_warns_and_is_fitted_on_request():
     with pytest.raises(ValueError, match="backend='eager'"):
         eager.fit_compiled_peak(x)
     torch._dynamo.reset()
-
-
-def test_the_fit_follows_an_excess_that_grows_with_the_plan():
-    """After one measured plan the next budget takes the compiler's excess as constant; after two,
-    the secant through them (aimed a quarter of the slack under the budget), so that an excess
-    growing with the plan's peak (the U-Net's compiled CPU step: 3.9 MiB over a 17.3 MiB plan, 9.1
-    over 26.0) is not overshot to the least plan."""
-    mib = 2**20
-    target = 26 * mib
-    assert api._next_fit_budget([(26 * mib, 35 * mib)], target) == 17 * mib  # 9 MiB over: 9 lower
-    aim = (1 - api.FIT_SLACK / 4) * target
-    tried = [(26 * mib, 35 * mib), (17 * mib, 21 * mib)]  # 9 MiB over at 26, 4 at 17
-    nxt = api._next_fit_budget(tried, target)
-    assert nxt == int(17 * mib + (aim - 21 * mib) * 9 / 14)
-    assert 17 * mib < nxt < api._next_fit_budget(tried[1:], target)  # above the least, below "constant"
-    # the two nearest to the aim, one on each side, whatever came first
-    tried = [(30 * mib, 40 * mib), (17 * mib, 21 * mib), (22 * mib, 28 * mib)]
-    assert api._next_fit_budget(tried, target) == int(17 * mib + (aim - 21 * mib) * 5 / 7)
-    # measurements that do not rise with the predictions: the last plan's rule
-    flat = [(26 * mib, 30 * mib), (20 * mib, 30 * mib)]
-    assert api._next_fit_budget(flat, target) == 20 * mib + (target - 30 * mib)
