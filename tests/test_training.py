@@ -1018,6 +1018,43 @@ def test_compiled_backward_holds_parameter_gradients_to_its_end():
     torch._dynamo.reset()
 
 
+def test_torch_compile_by_hand_of_an_eager_plan_that_will_not_hold_warns():
+    """``torch.compile(fxremat.compile(model, budget))`` runs a plan made for eager steps. Where it
+    cannot hold under torch.compile (nested checkpoints; parameter gradients held to the end of
+    the one compiled backward over the budget) the first compiled step warns once, naming
+    ``backend=``; a plan that holds (the U-Net's) trains without a word."""
+    import warnings
+
+    def first_steps(model, x):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fast = torch.compile(model, backend="aot_eager", dynamic=False)
+            for _ in range(2):
+                loss_of(fast(x)).backward()
+        return [str(w.message) for w in caught if "made for eager steps" in str(w.message)]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(64, 64), nn.Tanh())])
+    x = torch.randn(512, 64)
+    nested = fxremat.compile(copy.deepcopy(chain), "min", example_inputs=(x,), strategy="rotor")
+    assert any(seg.inner for seg in nested.plan.segments)
+    said = first_steps(nested, x)
+    assert len(said) == 1 and "nests checkpoints" in said[0] and "backend='inductor'" in said[0]
+
+    torch._dynamo.reset()
+    wide = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(128, 128), nn.Tanh())])  # weights > activations
+    held = fxremat.compile(copy.deepcopy(wide), 1.0, example_inputs=(torch.randn(4, 128),))
+    said = first_steps(held, torch.randn(4, 128))
+    assert len(said) == 1 and "holds every parameter gradient" in said[0]
+
+    torch._dynamo.reset()
+    x = torch.randn(4, 3, 64, 64)  # activations outweigh the weights (at SHAPE the gradients are 1.57x the budget)
+    unet = fxremat.compile(small_unet(), 0.5, example_inputs=(x,))
+    assert first_steps(unet, x) == []
+    torch._dynamo.reset()
+
+
 def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monkeypatch):
     """backend="inductor" compiles with fxremat's joint-graph pass (the segment outputs kept),
     and a joint_custom_pre_pass the user configured still runs; the compiled step trains as the
