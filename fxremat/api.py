@@ -699,7 +699,6 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict) -> None:
             seg = _segmentation(the_plan.segments)
             if seg not in made:
                 emitted = _emit(gm, the_plan)
-                _count_compiled_emit()
                 made[seg] = (emitted, attribute_bindings(emitted, state.model))
             state.cache[key] = state.last = (the_plan, *made[seg], captured)
 
@@ -985,8 +984,6 @@ class _State:
         entry = self.emitted.get(seg)
         if entry is None:
             gm = _emit(self.traced, the_plan)
-            if self.config.backend != "eager":
-                _count_compiled_emit()
             entry = self.emitted[seg] = (the_plan, gm, attribute_bindings(gm, self.model))
             while len(self.emitted) > self.config.max_plans:
                 _, (_, old, _) = self.emitted.popitem(last=False)
@@ -1037,26 +1034,6 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     state.retrace(new)
 
 
-_COMPILED_EMITS = 0  # emitted modules of RematModules compiled with backend=, in this process
-
-
-def _count_compiled_emit() -> None:
-    """Warn once the emitted modules compiled in this process outnumber Dynamo's recompile limit:
-    Dynamo caches each on fxremat's own forward code (one code object for every RematModule), and
-    those beyond ``torch._dynamo.config.recompile_limit`` (8 by default) would run eagerly, only a
-    log line of torch's saying so (seen here: the ninth module compiled in one benchmark process
-    ran at eager speed)."""
-    global _COMPILED_EMITS
-    _COMPILED_EMITS += 1
-    limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(torch._dynamo.config, "cache_size_limit")
-    if _COMPILED_EMITS == limit + 1:
-        warnings.warn(
-            f"fxremat.compile: {_COMPILED_EMITS} plans compiled with backend= in this process (modules and "
-            f"input signatures together) exceed torch._dynamo.config.recompile_limit ({limit}); Dynamo caches "
-            "each on fxremat's forward, so the ones beyond it may run eagerly. Raise it, e.g. "
-            "torch._dynamo.config.recompile_limit = 64, before their first step.", stacklevel=4)
-
-
 def _eager_between_graphs(fn):
     """``fn`` run eagerly under ``torch.compile`` (Dynamo does not trace into it: a graph break)
     and called as it is otherwise. ``torch.compiler.disable``'s own wrapper costs 60-80 µs a call
@@ -1101,6 +1078,21 @@ def _check_compiled_by_hand(state: "_State", key: tuple, plan: Plan) -> None:
             f"(fxremat.compile without backend=), and under torch.compile {'; '.join(reasons)}. Compile with "
             "fxremat.compile(model, budget, backend='inductor', example_inputs=...) instead: it plans for the "
             "compiled step and measures its peak.", stacklevel=4)
+
+
+def _same(value):
+    return value
+
+
+def _dynamo_runs() -> bool:
+    """Whether Dynamo would compile the frames this one calls: torch.compile runs this call, in a
+    frame it leaves to Python (:data:`_left_to_python`). (False while Dynamo traces.)"""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
+
+
+_without_dynamo = torch.compiler.disable  # none of the frames it calls compiled
+
+
 
 
 def _keeping(gm: fx.GraphModule, inputs):
@@ -1272,14 +1264,49 @@ class RematModule(torch.nn.Module):
             _check_compiled_by_hand(state, key, entry[0])
         return entry
 
-    def forward(self, *args, **kwargs):
-        if not (self.training and torch.is_grad_enabled()):
-            return self._remat.model(*args, **kwargs)
+    @property
+    def forward(self):
+        """In training with gradients enabled, the call of the emitted code (:func:`_training_call`,
+        a frame Dynamo leaves to Python); otherwise the model itself. (A property rather than a
+        method with two branches: Dynamo would compile that method's frame, guarded on each module
+        and input signature, before the emitted code.)"""
+        if self.training and torch.is_grad_enabled():
+            return self._training_call
+        return self._plain_forward
+
+    def _plain_forward(self, *args, **kwargs):
+        return self._remat.model(*args, **kwargs)
+
+    @functools.partial(torch.compiler.disable, recursive=False)
+    def _training_call(self, *args, **kwargs):
+        """A training call: a frame Dynamo leaves to Python, whose callees it compiles as frames of
+        their own. Under torch.compile fxremat's own steps (hooks check, binding, planning) then
+        run without Dynamo and only the emitted module is compiled, on its own code: not every
+        RematModule and input signature on fxremat's code, guarded per module and signature (beyond
+        ``torch._dynamo.config.recompile_limit``, 8, Dynamo ran the later ones eagerly, emitted
+        code included). With hooks on the model itself, the hooks and fxremat's steps are traced
+        as before."""
+        if _dynamo_runs() and not _root_has_hooks(self._remat.model):
+            gm, inputs, finish = _without_dynamo(self._emitted_call)(args, kwargs)
+            return finish(_keeping_frame(gm, inputs))
+        return self._training_forward(args, kwargs)
+
+    def _training_forward(self, args: tuple, kwargs: dict):
         model = self._remat.model
         self._check_hooks()
         if _root_has_hooks(model):  # the model's own hooks run around the emitted forward
             return _call_with_hooks(model, self._compiled_forward, args, kwargs)
         return self._compiled_forward(*args, **kwargs)
+
+    def _emitted_call(self, args: tuple, kwargs: dict):
+        """``(emitted module, its inputs, what makes the call's output of its output)`` of a call
+        that torch.compile runs (planned on first sight of its signature)."""
+        self._check_hooks()
+        if self._remat.traced is None:  # captured per call (torch.export)
+            _, gm, _, captured = self._prepare_call(args, kwargs, True)
+            return gm, captured.inputs(args, kwargs), captured.output
+        inputs = self._bind(args, kwargs)
+        return self._prepare(inputs, True)[1], inputs, _same
 
     @_eager_between_graphs
     def _check_hooks(self) -> None:
@@ -1317,8 +1344,6 @@ class RematModule(torch.nn.Module):
                 the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
                                           captured.plain_extra_bytes)
             emitted = _emit(gm, the_plan)
-            if state.config.backend != "eager":
-                _count_compiled_emit()
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)

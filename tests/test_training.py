@@ -1106,44 +1106,6 @@ def test_compiled_cost_model_charges_fused_ops_a_fraction_of_their_traffic():
         assert flops[n].flops <= fused[n].fwd_cost < flops[n].fwd_cost
 
 
-def test_more_compiled_plans_than_dynamos_recompile_limit_warn(monkeypatch):
-    """Dynamo caches every emitted module on fxremat's forward code: with more plans compiled in
-    one process than ``recompile_limit``, the later ones run eagerly (the backend never sees
-    their graphs). fxremat.compile warns when that count is passed, and says to raise the limit;
-    raised, every module compiles."""
-    import warnings
-
-    from fxremat import api
-
-    def counting(seen):
-        def backend(gm, example_inputs):
-            seen.append(gm)
-            return gm.forward
-        return backend
-
-    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
-    x = torch.randn(256, 64)
-    for limit, warns in ((1, True), (4, False)):
-        torch._dynamo.reset()
-        monkeypatch.setattr(api, "_COMPILED_EMITS", 0)
-        seen, modules = [], []
-        with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=limit):
-            warnings.simplefilter("always")
-            for _ in range(2):
-                modules.append(fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend=counting(seen),
-                                               fit_compiled_peak=False))  # compiled at the first step below
-        said = [w for w in caught if "recompile_limit" in str(w.message)]
-        assert bool(said) == warns and all("torch._dynamo.config.recompile_limit = 64" in str(w.message) for w in said)
-        compiled = []
-        with torch._dynamo.config.patch(recompile_limit=limit):
-            for m in modules:
-                before = len(seen)
-                m(x).sum().backward()
-                compiled.append(len(seen) > before)
-        assert compiled == [True, not warns]  # beyond the limit Dynamo ran the second one eagerly
-    torch._dynamo.reset()
-
-
 class _StarArgs(nn.Module):
     """A forward of ``*args`` (captured per call with torch.export, not traced)."""
 
@@ -1155,21 +1117,41 @@ class _StarArgs(nn.Module):
         return self.body(args[0])
 
 
-def test_captured_models_count_toward_dynamos_recompile_limit(monkeypatch):
-    """Models captured per call emit modules of their own, compiled on the same forward code: they
-    count toward the warning at Dynamo's recompile limit as traced models do."""
-    import warnings
+@pytest.mark.parametrize("captured", [False, True])
+def test_more_compiled_plans_than_dynamos_recompile_limit_all_compile(captured):
+    """Dynamo compiles each emitted module on its own code, and fxremat's own steps run in Python
+    (RematModule._training_call): with more modules and input signatures in one process than
+    ``recompile_limit`` (here 2: an emitted module serves the sizes of one layout, up to 8, each a
+    compile of its own with dynamic=False), every one is still compiled (with the emitted code
+    traced inside fxremat's forward, Dynamo ran those beyond the limit eagerly), traced or
+    captured per call with torch.export, under ``backend=`` and under ``torch.compile`` by hand
+    alike, and trains as the plain model."""
+    def counting(seen):
+        def backend(gm, example_inputs):
+            seen.append(gm)
+            return gm.forward
+        return backend
 
-    from fxremat import api
-
-    x = torch.randn(256, 64)
-    torch._dynamo.reset()
-    monkeypatch.setattr(api, "_COMPILED_EMITS", 0)
-    with warnings.catch_warnings(record=True) as caught, torch._dynamo.config.patch(recompile_limit=1):
-        warnings.simplefilter("always")
-        for _ in range(2):
-            m = fxremat.compile(_StarArgs(), "min", example_inputs=(x,), backend="aot_eager", fit_compiled_peak=False)
-            assert m._remat.traced is None  # captured, not traced
-    assert api._COMPILED_EMITS == 2
-    assert any("recompile_limit" in str(w.message) for w in caught)
+    torch.manual_seed(0)
+    model = _StarArgs() if captured else nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.Tanh())])
+    xs = [torch.randn(256, 64), torch.randn(128, 64)]
+    for by_hand in (False, True):
+        torch._dynamo.reset()
+        seen, compiled = [], []
+        with torch._dynamo.config.patch(recompile_limit=2):
+            for _ in range(3):
+                remat = fxremat.compile(copy.deepcopy(model), "min", example_inputs=(xs[0],), fit_compiled_peak=False,
+                                        **({} if by_hand else {"backend": counting(seen)}))
+                assert (remat._remat.traced is None) == captured
+                run = torch.compile(remat, backend=counting(seen), dynamic=False) if by_hand else remat
+                for x in xs:
+                    before = len(seen)
+                    with_grads(remat)
+                    loss_of(run(x)).backward()
+                    compiled.append(len(seen) > before)
+                    plain = with_grads(copy.deepcopy(model))
+                    loss_of(plain(x)).backward()
+                    for p, q in zip(plain.parameters(), remat.parameters()):
+                        torch.testing.assert_close(p.grad, q.grad)
+        assert compiled == [True] * 6
     torch._dynamo.reset()
