@@ -51,6 +51,14 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fun
 
 log = logging.getLogger("fxremat")
 
+# Dynamo leaves the decorated function's frames to Python and compiles the frames it calls (where
+# it traces a caller, a graph break there). Not torch.compiler.disable(recursive=False), which
+# leaves its own wrapper's frame to Python and compiles the function it wraps. Every function a
+# RematModule's training call runs under torch.compile is so marked, or runs under _without_dynamo
+# (none of its frames compiled), or is the emitted code: only that is compiled.
+_left_to_python = torch._dynamo.decorators.skip
+_without_dynamo = torch.compiler.disable
+
 _OPTIONS = {"exact_cap": DEFAULT_EXACT_CAP, "max_plans": 8, "profile_repeats": 3, "plan": None,
             "rotor_slots": DEFAULT_ROTOR_SLOTS, "autotune": 0, "dp_early_stop": False, "fit_compiled_peak": None}
 AUTOTUNE_CANDIDATES = 4  # autotune=True times this many candidate plans
@@ -820,6 +828,7 @@ def _call_with_hooks(model: torch.nn.Module, run, args, kwargs):
             model.forward = own
 
 
+@_left_to_python
 def _root_has_hooks(model: torch.nn.Module) -> bool:
     return bool(model._forward_hooks or model._forward_pre_hooks or model._backward_hooks
                 or model._backward_pre_hooks)
@@ -1080,37 +1089,33 @@ def _check_compiled_by_hand(state: "_State", key: tuple, plan: Plan) -> None:
             "compiled step and measures its peak.", stacklevel=4)
 
 
+@_left_to_python
 def _same(value):
     return value
 
 
+@_left_to_python
 def _dynamo_runs() -> bool:
-    """Whether Dynamo would compile the frames this one calls: torch.compile runs this call, in a
-    frame it leaves to Python (:data:`_left_to_python`). (False while Dynamo traces.)"""
+    """Whether Dynamo compiles the frames that this call's frame calls: torch.compile runs it and
+    left its frame to Python (:data:`_left_to_python`)."""
     return torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
-_without_dynamo = torch.compiler.disable  # none of the frames it calls compiled
-
-
-
-
+@_left_to_python
 def _keeping(gm: fx.GraphModule, inputs):
+    """``gm(*inputs)`` within :func:`fxremat.passes.partition.keeping_segment_outputs`, in a frame
+    Dynamo leaves to Python: under torch.compile the emitted code is compiled as a frame of its own
+    (by the backend the user chose) with the segment outputs the plan keeps kept."""
     with partition.keeping_segment_outputs():
         return gm(*inputs)
 
 
-_keeping_frame = torch.compiler.disable(_keeping, recursive=False)
-
-
 def _run_emitted(gm: fx.GraphModule, inputs):
-    """``gm(*inputs)``; under ``torch.compile``, in a frame of its own that Dynamo leaves to Python
-    (not the frames it calls: the emitted code is compiled as one graph, by the backend the
-    user chose) and that runs it within :func:`fxremat.passes.partition.keeping_segment_outputs`,
-    so that AOTAutograd keeps the segment outputs the plan keeps, also for ``torch.compile(remat)``
-    by hand, with any backend."""
+    """``gm(*inputs)``; while Dynamo traces (the model has hooks of its own: fxremat's steps are
+    traced), through :func:`_keeping` (a graph break), so that AOTAutograd keeps the segment
+    outputs the plan keeps."""
     if torch.compiler.is_compiling():
-        return _keeping_frame(gm, inputs)
+        return _keeping(gm, inputs)
     return gm(*inputs)
 
 
@@ -1277,7 +1282,7 @@ class RematModule(torch.nn.Module):
     def _plain_forward(self, *args, **kwargs):
         return self._remat.model(*args, **kwargs)
 
-    @functools.partial(torch.compiler.disable, recursive=False)
+    @_left_to_python
     def _training_call(self, *args, **kwargs):
         """A training call: a frame Dynamo leaves to Python, whose callees it compiles as frames of
         their own. Under torch.compile fxremat's own steps (hooks check, binding, planning) then
@@ -1288,7 +1293,7 @@ class RematModule(torch.nn.Module):
         as before."""
         if _dynamo_runs() and not _root_has_hooks(self._remat.model):
             gm, inputs, finish = _without_dynamo(self._emitted_call)(args, kwargs)
-            return finish(_keeping_frame(gm, inputs))
+            return finish(_keeping(gm, inputs))
         return self._training_forward(args, kwargs)
 
     def _training_forward(self, args: tuple, kwargs: dict):
