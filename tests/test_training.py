@@ -1083,6 +1083,43 @@ def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monk
     torch._dynamo.reset()
 
 
+def test_the_segment_output_pass_on_an_inductor_that_takes_one_joint_pass(monkeypatch):
+    """Before torch 2.12 Inductor's joint_custom_pre_pass is one callable, not a list (a list failed
+    every compile with "'list' object is not callable"): the pass and the user's own are joined in
+    one, fxremat's first, with a uuid of both (none where the user's pass has none, as Inductor
+    would have it), entered twice without wrapping twice, and the user's setting put back."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from fxremat.passes import partition
+
+    calls = []
+    monkeypatch.setattr(partition, "_inductor_takes_a_list", lambda: False)
+    monkeypatch.setattr(partition, "keep_segment_outputs", lambda graph: calls.append("fxremat"))
+
+    class Users(CustomGraphPass):
+        def __call__(self, graph):
+            calls.append("user")
+
+        def uuid(self):
+            return "users-pass"
+
+    config = torch._inductor.config
+    for user, uuid in ((Users(), True), (lambda graph: calls.append("user"), False), (None, True)):
+        calls.clear()
+        with config.patch(joint_custom_pre_pass=user):
+            with partition.keeping_segment_outputs():
+                with partition.keeping_segment_outputs():
+                    setting = config.joint_custom_pre_pass
+                    assert callable(setting) and not isinstance(setting, (list, tuple))
+                    setting(fx.Graph())
+                    assert calls == (["fxremat", "user"] if user is not None else ["fxremat"])
+                    key = setting.uuid()
+                    assert (key is not None) == uuid
+                    if user is not None and uuid:
+                        assert key.endswith("+users-pass") and key.startswith(partition._joint_pass().uuid())
+            assert config.joint_custom_pre_pass is user
+
+
 def test_backend_is_checked_at_the_call():
     with pytest.raises(ValueError, match="backend 'nope' is not a torch.compile backend.*list_backends"):
         fxremat.compile(small_unet(), 0.5, backend="nope")

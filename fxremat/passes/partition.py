@@ -126,6 +126,35 @@ def _joint_pass():
     return KeepSegmentOutputs()
 
 
+@functools.lru_cache(maxsize=1)
+def _inductor_takes_a_list() -> bool:
+    """Whether Inductor's custom-pass settings take a list of passes (torch 2.12 on); before,
+    ``joint_custom_pre_pass`` is one callable."""
+    import torch._inductor.custom_graph_pass as custom
+
+    return hasattr(custom, "get_custom_graph_passes")
+
+
+def _before(keep, user):
+    """``keep``, then the user's own Inductor ``joint_custom_pre_pass`` ``user``, as one pass (for
+    the torches whose setting takes one callable). Its ``uuid`` joins both; where the user's pass has
+    none, it has none either, and Inductor's caches stay off, as they would for the user's pass alone."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class KeepSegmentOutputsFirst(CustomGraphPass):
+        fxremat_keeps = True
+
+        def __call__(self, graph: fx.Graph) -> None:
+            keep(graph)
+            user(graph)
+
+        def uuid(self):
+            theirs = user.uuid() if hasattr(user, "uuid") else None
+            return None if theirs is None else f"{keep.uuid()}+{theirs}"
+
+    return KeepSegmentOutputsFirst()
+
+
 def _joint_custom_pass(user):
     """:func:`keep_segment_outputs`, then the user's own ``torch._functorch.config.joint_custom_pass``
     (``user``, where one is set), in that config's form."""
@@ -160,10 +189,14 @@ def keeping_segment_outputs():
         functorch.joint_custom_pass = _KEEP_ONLY if user is None else _joint_custom_pass(user)
     if inductor_config is not None:
         keep, current = _joint_pass(), inductor_config.joint_custom_pre_pass
-        listed = [] if current is None else list(current) if isinstance(current, (list, tuple)) else [current]
-        if keep not in listed:
+        if _inductor_takes_a_list():
+            listed = [] if current is None else list(current) if isinstance(current, (list, tuple)) else [current]
+            if keep not in listed:
+                saved.append((inductor_config, "joint_custom_pre_pass", current))
+                inductor_config.joint_custom_pre_pass = [keep] + listed
+        elif current is not keep and not getattr(current, "fxremat_keeps", False):
             saved.append((inductor_config, "joint_custom_pre_pass", current))
-            inductor_config.joint_custom_pre_pass = [keep] + listed
+            inductor_config.joint_custom_pre_pass = keep if current is None else _before(keep, current)
     try:
         yield
     finally:
