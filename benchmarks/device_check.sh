@@ -14,8 +14,9 @@
 #   7. (not in the default parts) Inductor on all four nets at once (U-Net, PSPNet, ResNet chain,
 #      transformer): each process on a quarter of the cores, compiling beside the others and timing
 #      only under a lock (`compile_budget --cores --timing-lock`), each budget also planned without
-#      the fit to the compiled step's peak (`--unfitted`): four nets' peaks in one call (run it alone:
-#      ~6 minutes on an H200 before the fit's rows), step ratios disturbed by the others' compiles.
+#      the fit to the compiled step's peak (`--unfitted`; UNFITTED=0 leaves those rows out): four nets'
+#      peaks in one call (run it alone: ~6 minutes on an H200 before the fit's rows), step ratios disturbed
+#      by the others' compiles.
 # Each part has its own time limit, so one that fails or runs long leaves the others their time;
 # every part writes its table as it goes.
 #
@@ -69,7 +70,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
         i=0
         for net in unet pspnet resnet_chain transformer; do
             timeout "${T_FOUR:-500}" $py -m benchmarks.compile_budget --net $net --device "$device" \
-                --batch-scale "$scale" --fractions 1.0 0.5 0.3 --fxremat-inductor ${FOUR_BUDGETS:-0.7 0.5} --unfitted \
+                --batch-scale "$scale" --fractions 1.0 0.5 0.3 --fxremat-inductor ${FOUR_BUDGETS:-0.7 0.5} $( [[ ${UNFITTED:-1} == 1 ]] && echo --unfitted ) \
                 --repeats 11 --compiled-only --timing-lock "$lock" --cores $(( i * quarter ))-$(( i * quarter + quarter - 1 )) \
                 --out "$out" > "/tmp/compile_inductor_$net.log" 2>&1 &
             i=$(( i + 1 ))
