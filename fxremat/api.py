@@ -36,7 +36,7 @@ from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, s
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import CALL_OPS, hooked_modules, module_of, trace, varargs_reason
+from .passes.trace import CALL_OPS, HookWatch, module_of, trace, varargs_reason
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -918,7 +918,8 @@ class _State:
     first out beyond ``_SIGNATURES_PER_PLAN * max_plans``; ``emitted``: (layout, segmentation) ->
     (emitted module, bindings), at most ``max_plans``, shared by the signatures of one layout
     whose sizes the segmentation fits; ``timed``: layout -> the measured profile of its first
-    sizes (time costs for other sizes); ``hooks``: the submodules with hooks when traced.
+    sizes (time costs for other sizes); ``hooks``: the submodules with hooks when traced, watched
+    (:class:`~fxremat.passes.trace.HookWatch`).
     """
 
     def __init__(self, model, traced, config, leaf_modules=()):
@@ -926,7 +927,7 @@ class _State:
         self.traced = traced
         self.config = config
         self.leaf_modules = tuple(leaf_modules)
-        self.hooks = hooked_modules(model)
+        self.hooks = HookWatch(model)
         self.signature = inspect.signature(model.forward)
         # forward's parameters when all are positional without defaults: a call with that many
         # arguments and no keywords binds as it is (Signature.bind costs ~45 µs a step, cold)
@@ -952,7 +953,7 @@ class _State:
             with _training_mode(self.model):
                 traced = trace(self.model, leaf_modules=self.leaf_modules)
         self.traced = traced
-        self.hooks = hooked_modules(self.model)
+        self.hooks = HookWatch(self.model)
         self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
         for store in (self.cache, self.emitted, self.timed, self.planned):
             store.clear()
@@ -1318,7 +1319,7 @@ class RematModule(torch.nn.Module):
         """Trace and plan again when hooks were added to or removed from submodules since the
         trace: a submodule with hooks must be a leaf, called by the emitted graph."""
         state = self._remat
-        if hooked_modules(state.model) != state.hooks:
+        if state.hooks.changed():
             log.info("fxremat: the submodules of %s with hooks changed; tracing and planning again",
                      type(state.model).__name__)
             state.retrace()

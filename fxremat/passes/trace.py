@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import itertools
 import linecache
@@ -49,7 +50,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -214,6 +215,59 @@ def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
 
 def _user_hooks(hooks) -> bool:
     return any(not is_torch_hook(h) for h in hooks.values())
+
+
+# Submodules set on any module since import, counted by a global module-registration hook that
+# HookWatch installs on first use (a submodule set in place of another may come with hooks).
+_submodules_set = 0
+
+
+def _count_submodule(module, name, submodule):
+    global _submodules_set
+    _submodules_set += 1
+
+
+@functools.lru_cache(maxsize=1)
+def _watch_submodules() -> None:
+    torch.nn.modules.module.register_module_module_registration_hook(_count_submodule)
+
+
+def _stamp() -> tuple:
+    """What moves whenever a hook could have come: torch's count of hook handles made anywhere
+    (``torch.utils.hooks.RemovableHandle.next_id``: every ``register_*hook``) and of submodules set."""
+    return torch.utils.hooks.RemovableHandle.next_id, _submodules_set
+
+
+class HookWatch:
+    """:func:`hooked_modules` of ``model`` (``names``), looked at again at each training step for
+    the cost of a few lookups: the module tree is walked again only when a hook handle was made
+    anywhere or a submodule was set since the last walk (:func:`_stamp`), or when one of the hook
+    dicts that held a user hook (or a global one) changed size, a hook removed. The walk costs
+    ~0.5 µs a module, more right after a step (~400 µs a step on a 137-module ResNet chain, 5% of
+    its step at a small batch). Not seen: hooks written into a module's hook dict by hand."""
+
+    def __init__(self, model: torch.nn.Module):
+        _watch_submodules()
+        self.model = model
+        self.names = self._walk()
+
+    def _walk(self) -> frozenset[str]:
+        self.stamp = _stamp()
+        names = hooked_modules(self.model)
+        dicts = [getattr(torch.nn.modules.module, d) for d in _GLOBAL_HOOKS]
+        for name in names - {"<global>"}:
+            module = self.model.get_submodule(name)
+            dicts.extend(getattr(module, d) for d in _MODULE_HOOKS)
+        self.sizes = tuple((d, len(d)) for d in dicts)
+        return names
+
+    def changed(self) -> bool:
+        """Whether the submodules with user hooks differ from ``names`` (which then follow them)."""
+        if self.stamp == _stamp() and all(len(d) == n for d, n in self.sizes):
+            return False
+        names = self._walk()
+        changed, self.names = names != self.names, names
+        return changed
 
 
 class _PythonValueError(fx.proxy.TraceError, TypeError):
