@@ -256,6 +256,8 @@ def main(argv=None) -> None:
     mechanism = profile.machine_checkpoint_costs(torch.device(machine.device))
     print(f"checkpoint mechanism: {mechanism}", flush=True)
     repeats = 5 if args.quick else args.repeats
+    path = machine.out / (("time_truth_quick" if args.quick else "time_truth")
+                          + ("_early_stop" if args.dp_early_stop else "") + ".md")
     rows, peer_rows = [], []
     for name, build, shape in _nets():
         shape = machine.shape(shape)
@@ -270,8 +272,16 @@ def main(argv=None) -> None:
             found = strategies(name, build, shape, budget, repeats, machine.device, options)
             print("\n".join(_strategy_table(found).splitlines()[2:]), flush=True)
             peer_rows += found
-    text = (f"# Time truth: predicted vs measured overhead, and where the time goes\n\n{machine.environment()}  \n"
-            f"load average at the end: {load_average()}  \n"
+            # written after each net and budget: a run stopped at its time limit keeps its rows
+            path.write_text(_text(machine, mechanism, repeats, rows, peer_rows, partial=True))
+    path.write_text(_text(machine, mechanism, repeats, rows, peer_rows))
+    print(f"wrote {path}")
+
+
+def _text(machine, mechanism, repeats, rows, peer_rows, partial=False) -> str:
+    return (f"# Time truth: predicted vs measured overhead, and where the time goes\n\n{machine.environment()}  \n"
+            + ("**Partial**: the run had not ended when this was written (its rows so far).  \n" if partial else "")
+            + f"load average at the end: {load_average()}  \n"
             f"checkpoint mechanism fitted on this machine (synthetic chains): {mechanism.per_checkpoint * 1e3:.1f} µs "
             f"a checkpoint, {mechanism.per_saved_tensor * 1e3:.1f} µs a saved tensor, "
             f"{mechanism.per_saved_mib * 1e3:.2f} µs a saved MiB; each plan counts it as calibrated on its model "
@@ -286,10 +296,6 @@ def main(argv=None) -> None:
             f"same schedule as `auto`'s (segments, recomputed ones, nested ones), compiled and measured apart: "
             f"how far one plan's measured time moves in this loop. {_colossal_note()}\n\n"
             f"{_strategy_table(peer_rows)}\n")
-    path = machine.out / (("time_truth_quick" if args.quick else "time_truth")
-                          + ("_early_stop" if args.dp_early_stop else "") + ".md")
-    path.write_text(text)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
