@@ -469,6 +469,16 @@ class _ForwardClock(fx.Interpreter):
         self.kind: dict[str, object] = {}
         self.events: list[tuple[float, str | None]] = []
 
+    def run(self, *args):
+        """The forward's output; the interpreter's values are dropped. Its ``env`` kept the output,
+        whose ``grad_fn`` pre-hooks hold this clock: a cycle through autograd's C++ nodes, which
+        Python's garbage collector does not see, so each profiled step's output (and its graph)
+        outlived fxremat.compile."""
+        try:
+            return super().run(*args)
+        finally:
+            self.env.clear()
+
     def run_node(self, n: fx.Node):
         if n.op not in CALL_OPS:
             return super().run_node(n)
