@@ -1118,6 +1118,8 @@ def test_the_segment_output_pass_on_an_inductor_that_takes_one_joint_pass(monkey
                     if user is not None and uuid:
                         assert key.endswith("+users-pass") and key.startswith(partition._joint_pass().uuid())
             assert config.joint_custom_pre_pass is user
+            with partition.keeping_segment_outputs():  # the next step: the same pass, not a new one
+                assert config.joint_custom_pre_pass is setting
 
 
 def test_backend_is_checked_at_the_call():

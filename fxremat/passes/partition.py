@@ -135,6 +135,7 @@ def _inductor_takes_a_list() -> bool:
     return hasattr(custom, "get_custom_graph_passes")
 
 
+@functools.lru_cache(maxsize=8)  # entered at each compiled step: one pass per user's pass, not one a step
 def _before(keep, user):
     """``keep``, then the user's own Inductor ``joint_custom_pre_pass`` ``user``, as one pass (for
     the torches whose setting takes one callable). Its ``uuid`` joins both; where the user's pass has
