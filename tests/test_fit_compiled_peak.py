@@ -20,6 +20,8 @@ from _models import without_the_segment_output_pass
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.nets import transformer_stack  # noqa: E402
 
+pytestmark = pytest.mark.compiler
+
 
 def _transformer():
     torch.manual_seed(0)

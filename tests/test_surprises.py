@@ -349,6 +349,7 @@ def test_flops_cost_model_gives_the_same_plan_in_every_process():
     assert len(runs) == 1 and "[(" in runs.pop()
 
 
+@pytest.mark.compiler
 def test_measuring_a_compiled_model_leaves_it_compiled_and_says_what_was_measured():
     """``fxremat.measure_peak`` runs the call under a dispatch-mode tracker, where torch.compile
     does not compile and marks the code it meets to be skipped for good: one measured step left

@@ -184,6 +184,7 @@ def _eager_saved_bytes(model, x) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.compiler
 def test_torch_compile_of_the_compiled_module_trains():
     torch._dynamo.reset()
     plain, compiled = _compiled_pair(small_unet, example=None)  # planning happens under torch.compile
@@ -870,6 +871,7 @@ def test_planning_keeps_no_profiling_tensors_alive():
     assert first_parameter() is None, "the model outlives its compiled module"
 
 
+@pytest.mark.compiler
 def test_backend_compiles_in_place_with_the_compiled_cost_model():
     """backend= compiles the returned module in place (same object, same state_dict keys): the
     plan is made with cost_model="compiled" and the compiled step keeps fxremat's segments."""
@@ -889,6 +891,7 @@ def test_backend_compiles_in_place_with_the_compiled_cost_model():
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries(monkeypatch):
     """AOTAutograd's partitioner cannot save a node of a checkpoint region, so an output of a
     recomputed segment read outside the regions (a residual add, a Linear that saves its input)
@@ -929,6 +932,7 @@ def test_the_compiled_step_keeps_what_the_plan_keeps_at_segment_boundaries(monke
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_the_segment_output_pass_run_twice_marks_nothing_more():
     """Under Inductor the pass runs twice (functorch's joint pass, then Inductor's own): the second
     run must find nothing to mark. (A node it marked saved once counted as outside its region, so
@@ -958,6 +962,7 @@ def test_the_segment_output_pass_run_twice_marks_nothing_more():
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_by_hand_keeps_the_segment_outputs(backend, monkeypatch):
     """``torch.compile(fxremat.compile(model, budget))`` with torch's own backends: the RematModule
@@ -994,6 +999,7 @@ def test_torch_compile_by_hand_keeps_the_segment_outputs(backend, monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_compiled_backward_holds_parameter_gradients_to_its_end():
     """Under torch.compile the backward is one graph that returns every parameter's gradient when
     it ends; with a backend the plan counts them alive until then. On an MLP whose weights
@@ -1018,6 +1024,7 @@ def test_compiled_backward_holds_parameter_gradients_to_its_end():
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_torch_compile_by_hand_of_an_eager_plan_that_will_not_hold_warns():
     """``torch.compile(fxremat.compile(model, budget))`` runs a plan made for eager steps. Where it
     cannot hold under torch.compile (nested checkpoints; parameter gradients held to the end of
@@ -1055,6 +1062,7 @@ def test_torch_compile_by_hand_of_an_eager_plan_that_will_not_hold_warns():
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monkeypatch):
     """backend="inductor" compiles with fxremat's joint-graph pass (the segment outputs kept),
     and a joint_custom_pre_pass the user configured still runs; the compiled step trains as the
@@ -1083,6 +1091,7 @@ def test_inductor_backend_runs_the_segment_output_pass_beside_the_users_own(monk
     torch._dynamo.reset()
 
 
+@pytest.mark.compiler
 def test_the_segment_output_pass_on_an_inductor_that_takes_one_joint_pass(monkeypatch):
     """Before torch 2.12 Inductor's joint_custom_pre_pass is one callable, not a list (a list failed
     every compile with "'list' object is not callable"): the pass and the user's own are joined in
@@ -1156,6 +1165,7 @@ class _StarArgs(nn.Module):
         return self.body(args[0])
 
 
+@pytest.mark.compiler
 @pytest.mark.parametrize("captured", [False, True])
 def test_more_compiled_plans_than_dynamos_recompile_limit_all_compile(captured):
     """Dynamo compiles each emitted module on its own code, and fxremat's own steps run in Python
