@@ -347,3 +347,79 @@ def test_random_ops_are_found_on_fake_tensors():
         model, x = NoisyTail(), torch.randn(64, 32)
         plan = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops")
     assert [n.name for n in plan.nodes if n.draws_random] == ["_jitter", "dropout"]
+
+
+class _Tripled(torch.autograd.Function):
+    """Doubles forward, triples backward: a backward that is not its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Rounds forward, passes the gradient through (quantization-aware training's estimator)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CustomFunctions(nn.Module):
+    def __init__(self, width=64, depth=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = _Tripled.apply(x) if i % 2 else _StraightThrough.apply(x).tanh()
+        return x
+
+
+@pytest.mark.parametrize("budget", [0.7, "min"])
+def test_custom_autograd_functions_keep_their_backward(budget):
+    """A torch.autograd.Function is one call of its ``apply`` in the emitted code, run (and
+    recomputed) as written: tracing through its forward recorded ops under the no_grad torch runs
+    it in, which cut every gradient before it, and would have lost its own backward."""
+    torch.manual_seed(0)
+    plain, model = pair(CustomFunctions())
+    x = torch.randn(256, 64)
+    compiled = fxremat.compile(model, budget, example_inputs=(x,))
+    code = compiled.code
+    assert "_tripled_apply(" in code and "_straightthrough_apply(" in code
+    recomputed = [s for s in compiled.plan.segments if s.recomputed]
+    assert any("_straightthrough" in n or "_tripled" in n for s in recomputed for n in s.nodes)
+    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, opt in ((plain, opt_a), (compiled, opt_b)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+        assert_same_state(plain, compiled)
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=False)
+
+
+class _CapturedWithFunction(nn.Module):
+    """A forward taking ``*args`` (as Hugging Face's decorated forwards do): captured with
+    torch.export, where a custom Function's backward cannot be kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, *args):
+        return self.b(_StraightThrough.apply(self.a(args[0])))
+
+
+def test_a_captured_model_applying_a_custom_autograd_function_is_refused():
+    with pytest.raises(fxremat.TraceError, match=r"custom torch.autograd.Function .*_StraightThrough.*drops its backward"):
+        fxremat.compile(_CapturedWithFunction(), "min", example_inputs=(torch.randn(4, 8),))

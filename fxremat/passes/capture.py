@@ -46,7 +46,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from ..errors import TraceError
 from ..measure import LiveStorageTracker
 from .profile import preserved_state
-from .trace import user_line
+from .trace import functions_routed, user_line
 
 __all__ = ["Captured", "capture_call"]
 
@@ -118,19 +118,44 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     added = _added_kwargs(model, args, kwargs)
     if added:
         log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
+    applied: dict[type, None] = {}
+
+    def record(cls, run, call_args, call_kwargs):
+        if not cls.__module__.startswith("torch."):
+            applied[cls] = None
+        return run(*call_args, **call_kwargs)
+
     try:
-        exported = torch.export.export(model, tuple(args), {**kwargs, **added}, strict=False)
+        with functions_routed(record):
+            exported = torch.export.export(model, tuple(args), {**kwargs, **added}, strict=False)
     except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
         where = user_line(exc)
         raise TraceError("", exc, module_class=type(model).__name__, where=where, hint=(
             "torch.export could not capture this call either; make the code at that line work on "
             "tensors whose values are unknown (no Python branch on a tensor's value), or compile "
             "the submodules that do the work")) from exc
+    if applied:
+        _refuse_functions(model, tuple(applied))
     gm, kept = _flat_graph(exported)
     spec = exported.call_spec
     captured = Captured(gm, spec.in_spec, spec.out_spec, kept, added)
     extra = _plain_extra_bytes(model, gm, args, kwargs, captured.inputs(args, kwargs))
     return dataclasses.replace(captured, plain_extra_bytes=extra)
+
+
+def _refuse_functions(model: torch.nn.Module, functions: tuple) -> None:
+    """A custom ``torch.autograd.Function`` does not survive the capture: torch.export records the
+    ops of its ``forward`` and autograd would differentiate those, not run its ``backward`` (on
+    Hugging Face's Bloom, whose GELU is one, every gradient before it differed in the last bits; a
+    straight-through estimator would get the gradient of a rounding, zero). Refused, not run."""
+    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in functions)
+    raise TraceError("", RuntimeError(
+        f"its forward applies the custom torch.autograd.Function {names}; the torch.export capture records "
+        "the ops of its forward and drops its backward, so the gradients would not be the model's"),
+        module_class=type(model).__name__, hint=(
+            "fxremat keeps such a Function whole only in models torch.fx traces (a forward without *args); "
+            "replace its calls with plain differentiable PyTorch code where its backward is their derivative "
+            "(for example its forward), or train this model without fxremat"))
 
 
 def _forward_bytes(model: torch.nn.Module, fn, *args, **kwargs) -> int:

@@ -27,6 +27,10 @@
   global module hook, which every module runs) stays one leaf node (:func:`has_hooks`): the
   emitted graph calls it, so its hooks run at each call as in eager PyTorch, and never while
   tracing (where they would see proxies, and an output they return would be baked into the graph).
+- A custom ``torch.autograd.Function`` applied to traced values is one call node of its
+  ``apply``, run and recomputed as written, its own ``backward`` included (:func:`functions_routed`
+  routes the calls while tracing). Traced through, its forward's ops were recorded under the
+  ``no_grad`` torch runs it in, which cut the gradient of everything before it.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -492,13 +496,59 @@ class _StateWrittenWhileTracing(Exception):
         self.owner = owner
 
 
+_FUNCTION_META = "fxremat_autograd_function"  # the torch.autograd.Function a call node applies
+
+
+def _autograd_function_apply(*args, **kwargs):
+    """The target of a traced ``SomeFunction.apply(...)`` call until :func:`restore_modes` makes it a
+    :class:`ModeCall` of the Function (named in the node's meta); never called."""
+    raise RuntimeError("fxremat: a traced autograd.Function call was left unconverted (restore_modes)")
+
+
+@contextlib.contextmanager
+def functions_routed(route):
+    """While in it, ``SomeFunction.apply(*args, **kwargs)`` of any ``torch.autograd.Function``
+    returns ``route(SomeFunction, run, args, kwargs)``, where ``run(*args, **kwargs)`` applies it
+    as torch does."""
+    function = torch.autograd.Function
+    original = function.__dict__["apply"]  # a classmethod (a C one on torch 2.14)
+
+    def apply(cls, *args, **kwargs):
+        return route(cls, original.__get__(None, cls), args, kwargs)
+
+    function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        function.apply = original
+
+
+def _kept_whole(cls, run, args, kwargs):
+    """While tracing, a ``torch.autograd.Function`` applied to traced values becomes one call node
+    of its ``apply`` (a leaf, like a module with hooks), instead of the ops of its ``forward``:
+    torch runs that forward under ``no_grad``, so tracing through it recorded ops whose gradient
+    was cut, and its own ``backward`` (a straight-through estimator, a fused or rounded-differently
+    derivative) would be lost. Calls without traced arguments run as written."""
+    proxies = [a for a in _flat((args, kwargs)) if isinstance(a, fx.Proxy)]
+    if not proxies:
+        return run(*args, **kwargs)
+    proxy = proxies[0].tracer.create_proxy("call_function", _autograd_function_apply, args, kwargs,
+                                           name=cls.__name__.lower())
+    proxy.node.meta[_FUNCTION_META] = cls
+    return proxy
+
+
+def _flat(tree) -> list:
+    return torch.utils._pytree.tree_flatten(tree)[0]
+
+
 def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, probe: tuple) -> fx.Graph:
     # Grad enabled, as in the training forward the graph replaces (also when compile is called
     # under no_grad): only the model's own no_grad regions are marked. Tracing never changes the
     # model's state: what the traced code writes on real tensors is put back (and reported).
-    with torch.enable_grad(), _autocast_set_to(tracer.autocast_devices, probe), kept_state(
-        model, owner=lambda: tracer.stack[-1] if tracer.stack else ""
-    ) as writes:
+    with torch.enable_grad(), functions_routed(_kept_whole), _autocast_set_to(
+        tracer.autocast_devices, probe
+    ), kept_state(model, owner=lambda: tracer.stack[-1] if tracer.stack else "") as writes:
         tracer.state_writes = writes.written
         graph = tracer.trace(model, concrete_args=concrete_args)
         _write_back_assigned_buffers(model, tracer, graph)
@@ -754,7 +804,10 @@ class ModeCall(torch.nn.Module):
 
     def extra_repr(self) -> str:
         if self.function is not None:
-            return f"function={getattr(self.function, '__qualname__', self.function)!r}"
+            owner = getattr(self.function, "__self__", None)  # SomeFunction.apply: name the Function
+            name = f"{owner.__qualname__}.{self.function.__name__}" if isinstance(owner, type) else \
+                getattr(self.function, "__qualname__", self.function)
+            return f"function={name!r}"
         return f"method={self.method!r}" if self.method is not None else ""
 
 
@@ -788,12 +841,22 @@ def restore_modes(gm: fx.GraphModule) -> fx.GraphModule:
     ``fxremat_autocast=...``; every call of a module that is called at least once that way goes
     through one wrapper (one target, so calls of a shared module keep their order and their
     buffers are found). Calls with no node input (factories such as ``torch.zeros``) depend on
-    neither and are left as they are. ``gm`` is changed in place and returned.
+    neither and are left as they are. A traced ``SomeFunction.apply(...)`` (a custom
+    ``torch.autograd.Function``, kept whole by the trace) becomes a ``call_module`` of a
+    :class:`ModeCall` of ``SomeFunction.apply`` first. ``gm`` is changed in place and returned.
     """
     metas = ((_GRAD_MODE_META, GRAD_MODE_KWARG), (_AUTOCAST_META, AUTOCAST_KWARG))
+    functions = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _autograd_function_apply]
+    for node in functions:  # SomeFunction.apply, called through a module: fx would name the base class's
+        name = _free_name(gm, f"{node.name}_apply")
+        gm.add_submodule(name, ModeCall(function=node.meta[_FUNCTION_META].apply))
+        node.op, node.target = "call_module", name
     marked = [n for n in gm.graph.nodes
               if n.op in CALL_OPS and n.all_input_nodes and any(m in n.meta for m, _ in metas)]
     if not marked:
+        if functions:
+            gm.graph.lint()
+            gm.recompile()
         return gm
     wrappers: dict[str, str] = {}
     for node in marked:
