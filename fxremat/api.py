@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from .budget import parse_budget
-from .errors import InfeasibleBudgetError, PlanBudgetError, format_bytes
+from .errors import InfeasibleBudgetError, PlanBudgetError, TraceError, format_bytes
 from .measure import allocated_peak, default_loss
 from .core import CostGraph, Schedule
 from .passes.calibrate import calibrate
@@ -477,7 +477,7 @@ def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules,
     """``(graph module, its positional inputs, plain_extra_bytes)`` for ``model`` called with
     ``example_inputs``; the last is ``None`` for a traced model (see :func:`_plain_peak`)."""
     inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
-    gm = _traced(model, leaf_modules, api)
+    gm = _traced(model, leaf_modules, api, can_capture=True)
     if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
         args, kwargs = _example_call(example_inputs)
         captured = capture_call(model, args, kwargs)
@@ -526,10 +526,14 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
                    leaf_modules=leaf_modules, api="plan", **options).plan
 
 
-def _traced(model: torch.nn.Module, leaf_modules, api: str) -> fx.GraphModule | None:
+def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool) -> fx.GraphModule | None:
     """``model`` traced with torch.fx, or ``None`` for a model captured per input signature with
     torch.export (:mod:`fxremat.passes.capture`): one whose forward takes ``*args``, as the
-    decorated forwards of Hugging Face models do, which torch.fx cannot make placeholders for."""
+    decorated forwards of Hugging Face models do, which torch.fx cannot make placeholders for, or,
+    where ``can_capture`` (example inputs are captured at once, so a failure still raises at the
+    call) and no ``leaf_modules`` are asked for, one whose top-level forward torch.fx cannot trace
+    (a loss module built in ``forward``, as DeBERTa-v2's; a check of the input's shape, as
+    CrossViT's), which torch.export, running the code on tensors of known shapes, can."""
     reason = varargs_reason(model)
     if reason is not None:
         if leaf_modules:
@@ -539,8 +543,27 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str) -> fx.GraphModule | 
                 f"drop leaf_modules=, or compile the submodules instead")
         log.info("fxremat: %s; capturing each input signature with torch.export", reason)
         return None
-    with _stage("tracing", type(model).__name__):
-        return trace(model, leaf_modules=leaf_modules)
+    with _stage("tracing", type(model).__name__), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            traced = trace(model, leaf_modules=leaf_modules)
+        except TraceError as exc:
+            if exc.qualified_name or leaf_modules or not can_capture:
+                _warn_again(said)
+                raise
+            # what the failed trace said (submodules made leaves) is not true of the capture: logged only
+            log.info("fxremat: torch.fx could not trace the top-level forward of %s (%s; it said: %s); capturing "
+                     "each input signature with torch.export", type(model).__name__, exc,
+                     "; ".join(str(w.message) for w in said) or "nothing else")
+            return None
+    _warn_again(said)
+    return traced
+
+
+def _warn_again(said) -> None:
+    """Issue the recorded warnings again, where they were first issued, under the caller's filters."""
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _example_call(example_inputs) -> tuple[tuple, dict]:
@@ -625,7 +648,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                       "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
                       "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
     with _training_mode(model):
-        traced = _traced(model, leaf_modules, "compile")
+        traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None)
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
     if example_inputs is not None:
         args, kwargs = _example_call(example_inputs)

@@ -423,3 +423,39 @@ class _CapturedWithFunction(nn.Module):
 def test_a_captured_model_applying_a_custom_autograd_function_is_refused():
     with pytest.raises(fxremat.TraceError, match=r"custom torch.autograd.Function .*_StraightThrough.*drops its backward"):
         fxremat.compile(_CapturedWithFunction(), "min", example_inputs=(torch.randn(4, 8),))
+
+
+class _TopLevelUntraceable(nn.Module):
+    """What torch.fx cannot trace in a top-level forward but torch.export can: a check of the
+    input's shape (CrossViT's) and a loss module built in ``forward`` (DeBERTa-v2's)."""
+
+    def __init__(self, width=64, depth=6):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x, labels):
+        if x.shape[-1] != self.head.in_features:
+            x = F.pad(x, (0, self.head.in_features - x.shape[-1]))
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return nn.CrossEntropyLoss()(self.head(x), labels)
+
+
+def test_a_top_level_forward_torch_fx_cannot_trace_is_captured_with_example_inputs():
+    torch.manual_seed(0)
+    plain, model = pair(_TopLevelUntraceable())
+    x, labels = torch.randn(256, 64), torch.randint(0, 5, (256,))
+    with pytest.raises(fxremat.TraceError, match=r"top-level module \(_TopLevelUntraceable\)"):
+        fxremat.compile(copy.deepcopy(plain), "min")  # no example inputs: refused at the call, as before
+    compiled = fxremat.compile(model, "min", example_inputs=(x, labels))
+    assert compiled._remat.traced is None  # captured per input signature
+    assert any(s.recomputed for s in compiled.plan.segments)
+    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, opt in ((plain, opt_a), (compiled, opt_b)):
+            m(x, labels).backward()
+            opt.step()
+        assert_same_state(plain, compiled)
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=False)
