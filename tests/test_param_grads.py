@@ -53,6 +53,33 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
+class TransposedLinear(nn.Module):
+    """``x @ self.weight.t()``: the matrix product reads a view of the parameter, not the parameter."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i) / i**0.5)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+class WSConv(nn.Conv2d):
+    """timm's weight-standardized convolution (NFNets): the weight goes through ``F.batch_norm``
+    as a reshaped view, and the result takes its shape back with ``reshape_as(self.weight)``."""
+
+    def forward(self, x):
+        w = F.batch_norm(self.weight.reshape(1, self.out_channels, -1), None, None, training=True,
+                         momentum=0.0, eps=1e-6).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def _ws_net():
+    return nn.Sequential(WSConv(3, 64, 3, padding=1), nn.ReLU(), WSConv(64, 64, 3, padding=1), nn.ReLU(),
+                         WSConv(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(64, 10))
+
+
 def _mlp(layer, width=512, depth=4):
     torch.manual_seed(0)
     mods = []
@@ -181,7 +208,10 @@ class Twice(nn.Module):
     (Twice, torch.randn(2, 8, 256)),
     (TwoBranches, torch.randn(2, 3, 8, 8)),
     (lambda: _mlp(FunctionalLinear), torch.randn(4, 16, 512)),
-], ids=["tied", "called-twice", "two-branches", "F.linear"])
+    # a view of a parameter was counted as the parameter by every node reading it: +50% and +60%
+    (lambda: _mlp(TransposedLinear), torch.randn(4, 16, 512)),
+    (_ws_net, torch.randn(2, 3, 16, 16)),
+], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized"])
 def test_plain_peak_predicted_within_two_percent(make, x):
     torch.manual_seed(0)
     model = make()
