@@ -560,10 +560,23 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool) -
     return traced
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
 def _warn_again(said) -> None:
-    """Issue the recorded warnings again, where they were first issued, under the caller's filters."""
+    """Issue the recorded warnings again under the caller's filters: fxremat's own at the user's
+    line that called into fxremat (issued with a fixed ``stacklevel``, they named a line of
+    ``fxremat/api.py``), the others where they were first issued."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR + os.sep):
+        frame = frame.f_back
     for w in said:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        if frame is not None and os.path.abspath(w.filename).startswith(_PACKAGE_DIR + os.sep):
+            warnings.warn_explicit(w.message, w.category, frame.f_code.co_filename, frame.f_lineno,
+                                   module=frame.f_globals.get("__name__"),
+                                   registry=frame.f_globals.setdefault("__warningregistry__", {}))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 def _example_call(example_inputs) -> tuple[tuple, dict]:
