@@ -165,8 +165,10 @@ def test_untraceable_submodule_becomes_a_leaf_with_a_warning():
     torch.manual_seed(0)
     plain, model = pair(WithUntraceable())
     x = torch.randn(4, 8)
-    with pytest.warns(UserWarning, match="'odd'.*leaf_modules"):
+    with pytest.warns(UserWarning, match="'odd'.*leaf_modules") as said:
         compiled = fxremat.compile(model, 0.9, example_inputs=(x,), cost_model="flops")
+    # at the user's line that called fxremat, not inside fxremat/api.py
+    assert [w.filename for w in said if "'odd'" in str(w.message)] == [__file__]
     assert "odd" in compiled.graph_module.code
     for m in (plain, compiled):
         m(x).sum().backward()
@@ -459,3 +461,28 @@ def test_a_top_level_forward_torch_fx_cannot_trace_is_captured_with_example_inpu
         assert_same_state(plain, compiled)
         for opt in (opt_a, opt_b):
             opt.zero_grad(set_to_none=False)
+
+
+class _Fold(nn.Module):
+    def forward(self, x):
+        if x.shape[-1] % 2:  # a shape check: the value depends on the shape, not on the parameters before
+            x = F.pad(x, (0, 1))
+        return x * 2
+
+
+class _DeepShapeCheck(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+        self.fold, self.out = _Fold(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.fold(self.layers(x)))
+
+
+def test_a_leaf_made_for_a_shape_check_names_the_shape_not_every_parameter_before_it():
+    with pytest.warns(UserWarning, match="'fold'") as said:
+        fxremat.compile(_DeepShapeCheck(), "min", example_inputs=(torch.randn(4, 16),), cost_model="flops")
+    message = next(str(w.message) for w in said if "'fold'" in str(w.message))
+    assert "computed from the shape of 'layers_7'" in message, message
+    assert "attribute" not in message and len(message) < 800, message

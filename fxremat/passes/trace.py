@@ -303,8 +303,25 @@ class _Proxy(fx.Proxy):
         raise _PythonValueError(self.tracer, self.node, "int")
 
 
+_SHAPE_METHODS = frozenset({"size", "dim", "numel", "ndimension"})
+_SHAPE_ATTRIBUTES = frozenset({"shape", "ndim"})
+_MAX_SOURCES = 6  # named in the message; the rest counted
+
+
+def _shape_of(n: fx.Node) -> fx.Node | None:
+    """The tensor whose shape ``n`` reads (``x.shape``, ``x.size(1)``, ``x.dim()``), or None."""
+    if n.op == "call_method" and n.target in _SHAPE_METHODS and n.args and isinstance(n.args[0], fx.Node):
+        return n.args[0]
+    if (n.op == "call_function" and n.target is getattr and len(n.args) == 2 and n.args[1] in _SHAPE_ATTRIBUTES
+            and isinstance(n.args[0], fx.Node)):
+        return n.args[0]
+    return None
+
+
 def _sources(root: torch.nn.Module, node: fx.Node) -> str:
-    """Which buffers, parameters and forward inputs ``node``'s value is computed from."""
+    """Which buffers, parameters and forward inputs ``node``'s value is computed from; a shape read
+    (``x.shape``) is named as the shape of that value, not as everything the value is computed
+    from (a shape check deep in a net named every parameter before it: 3.6 KB on timm's MobileViT)."""
     buffers = dict(root.named_buffers())
     seen, stack, found = set(), [node], []
     while stack and len(seen) < 1000:
@@ -312,12 +329,20 @@ def _sources(root: torch.nn.Module, node: fx.Node) -> str:
         if n in seen:
             continue
         seen.add(n)
+        shaped = _shape_of(n)
+        if shaped is not None:
+            found.append(f"the shape of {shaped.name!r}")
+            continue
         if n.op == "get_attr":
             found.append(f"buffer {n.target!r}" if n.target in buffers else f"attribute {n.target!r}")
         elif n.op == "placeholder":
             found.append(f"input {n.target!r}")
         stack.extend(n.all_input_nodes)
-    return "computed from " + ", ".join(sorted(set(found))) if found else "computed from no input"
+    found = sorted(set(found))
+    if not found:
+        return "computed from no input"
+    more = f" and {len(found) - _MAX_SOURCES} more" if len(found) > _MAX_SOURCES else ""
+    return "computed from " + ", ".join(found[:_MAX_SOURCES]) + more
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
