@@ -153,6 +153,7 @@ def _cases() -> list[Case]:
     add("llama-tied", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", **_LLAMA))
     add("bert-mlm", "transformers", _hf_lm("BertConfig", "BertForMaskedLM", **_BERT), quick=True)
     add("t5", "transformers", _hf_t5())
+    add("deberta-v2-mlm", "transformers", _hf_lm("DebertaV2Config", "DebertaV2ForMaskedLM", **_BERT))  # loss built in forward
     add("vit-hf", "transformers", _hf_vit(), quick=True)
     add("gpt2-seq128", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", seq=128, **_GPT2),
         long_sequence=True)
@@ -167,6 +168,8 @@ def _cases() -> list[Case]:
     add("densenet121", "timm", _timm("densenet121"))
     add("vit_tiny", "timm", _timm("vit_tiny_patch16_224", size=32, img_size=32))
     add("swin_tiny", "timm", _timm("swin_tiny_patch4_window7_224", size=224))
+    add("nfnet_l0", "timm", _timm("nfnet_l0"))  # weight-standardized convolutions: views of parameters
+    add("crossvit_tiny", "timm", _timm("crossvit_tiny_240", size=240))  # a shape check in the top-level forward
     add("lraspp_mobilenet_v3", "torchvision", _segmentation("lraspp_mobilenet_v3_large"), quick=True)
     add("deeplabv3_mobilenet_v3", "torchvision", _segmentation("deeplabv3_mobilenet_v3_large"))
     add("fcn_resnet50", "torchvision", _segmentation("fcn_resnet50"))
