@@ -368,7 +368,6 @@ def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):
     x = torch.randn(32, 64)
     costs = profile(gm, (x,), cost_model="measured", repeats=3)
     graph = build_graph(gm, costs)
-    assert costs.mechanism.per_checkpoint < 0.5 * delay * 1e3  # ~0.1 ms; 1.8 ms once with both cores busy
     monkeypatch.setattr(rewrite_pass, "recompute", slow_recompute)
     found = calibrate(gm, (x,), graph, costs, repeats=5)
     # (1.64x once, alone on the machine: a sleep overshoots, and the fit shares it out)
@@ -376,7 +375,11 @@ def test_calibration_recovers_a_known_cost_per_checkpoint(monkeypatch):
     assert found.per_saved_tensor >= 0 and found.per_saved_mib >= 0
     monkeypatch.undo()
     plain = calibrate(gm, (x,), graph, costs, repeats=5)
-    assert plain.per_checkpoint < 0.5 * delay * 1e3
+    # Neither the machine's fit nor the model's without the delay sees it: each at least half the
+    # delay below what was found (relative, not absolute: ~0.1 ms alone, 1.8 and 2.3 ms measured
+    # with both cores busy, when the found value rises with them)
+    for unseen in (costs.mechanism.per_checkpoint, plain.per_checkpoint):
+        assert unseen < found.per_checkpoint - 0.5 * delay * 1e3, (unseen, found.per_checkpoint)
 
 
 def test_calibration_reads_its_steps_on_the_profiles_clock(monkeypatch):
