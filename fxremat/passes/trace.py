@@ -554,17 +554,13 @@ def _kept_whole(cls, run, args, kwargs):
     torch runs that forward under ``no_grad``, so tracing through it recorded ops whose gradient
     was cut, and its own ``backward`` (a straight-through estimator, a fused or rounded-differently
     derivative) would be lost. Calls without traced arguments run as written."""
-    proxies = [a for a in _flat((args, kwargs)) if isinstance(a, fx.Proxy)]
+    proxies = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)]
     if not proxies:
         return run(*args, **kwargs)
     proxy = proxies[0].tracer.create_proxy("call_function", _autograd_function_apply, args, kwargs,
                                            name=cls.__name__.lower())
     proxy.node.meta[_FUNCTION_META] = cls
     return proxy
-
-
-def _flat(tree) -> list:
-    return torch.utils._pytree.tree_flatten(tree)[0]
 
 
 def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, probe: tuple) -> fx.Graph:
