@@ -410,21 +410,59 @@ def test_custom_autograd_functions_keep_their_backward(budget):
             opt.zero_grad(set_to_none=False)
 
 
-class _CapturedWithFunction(nn.Module):
-    """A forward taking ``*args`` (as Hugging Face's decorated forwards do): captured with
-    torch.export, where a custom Function's backward cannot be kept."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+class _CapturedFunctions(CustomFunctions):
+    """The same net with a forward taking ``*args`` (as Hugging Face's decorated forwards do):
+    captured with torch.export, which would record the Functions' forward ops."""
 
     def forward(self, *args):
-        return self.b(_StraightThrough.apply(self.a(args[0])))
+        return super().forward(args[0])
 
 
-def test_a_captured_model_applying_a_custom_autograd_function_is_refused():
-    with pytest.raises(fxremat.TraceError, match=r"custom torch.autograd.Function .*_StraightThrough.*drops its backward"):
-        fxremat.compile(_CapturedWithFunction(), "min", example_inputs=(torch.randn(4, 8),))
+@pytest.mark.parametrize("budget", [0.7, "min"])
+def test_a_captured_model_keeps_its_custom_autograd_functions_backward(budget):
+    """Captured, a Function is one call of its ``apply`` too (Hugging Face's Bloom applies its GELU
+    as one): recorded as its forward's ops, autograd differentiated those, so the straight-through
+    estimator's gradient was the rounding's (zero) and the tripled one the forward's derivative."""
+    torch.manual_seed(0)
+    plain, model = pair(_CapturedFunctions())
+    x = torch.randn(256, 64)
+    compiled = fxremat.compile(model, budget, example_inputs=(x,))
+    assert "_tripled_apply(" in compiled.code and "_straightthrough_apply(" in compiled.code
+    assert any("_straightthrough" in n for s in compiled.plan.segments if s.recomputed for n in s.nodes)
+    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, opt in ((plain, opt_a), (compiled, opt_b)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+        assert_same_state(plain, compiled)
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=False)
+
+
+class _Described(torch.autograd.Function):
+    """Returns a dict: not a tensor or a tuple of tensors."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return {"y": x * 2, "scale": 2.0}
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * 2
+
+
+class _CapturedDescribed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, *args):
+        return _Described.apply(self.a(args[0]))["y"].sum()
+
+
+def test_a_captured_function_returning_other_values_is_refused():
+    with pytest.raises(fxremat.TraceError, match=r"_Described returns dict .*return a tensor or a tuple of tensors"):
+        fxremat.compile(_CapturedDescribed(), "min", example_inputs=(torch.randn(4, 8),))
 
 
 class _TopLevelUntraceable(nn.Module):

@@ -154,6 +154,7 @@ def _cases() -> list[Case]:
     add("bert-mlm", "transformers", _hf_lm("BertConfig", "BertForMaskedLM", **_BERT), quick=True)
     add("t5", "transformers", _hf_t5())
     add("deberta-v2-mlm", "transformers", _hf_lm("DebertaV2Config", "DebertaV2ForMaskedLM", **_BERT))  # loss built in forward
+    add("bloom", "transformers", _hf_lm("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4))  # GELU as an autograd.Function
     add("vit-hf", "transformers", _hf_vit(), quick=True)
     add("gpt2-seq128", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", seq=128, **_GPT2),
         long_sequence=True)

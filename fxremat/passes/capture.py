@@ -25,6 +25,14 @@ once plainly and the graph once, and measures how much more the plain forward ke
 fractions of is the model's own (measured on GPT-2, Llama, T5, ViT: the captured
 graph keeps -4.6 KB to +47 KB less, 1.4-2.6% of the plain peak).
 
+A custom ``torch.autograd.Function`` (Bloom's GELU, a straight-through estimator) would not
+survive the capture as written: export records the ops of its ``forward`` and autograd would
+differentiate those instead of running its ``backward``. While capturing, each
+``SomeFunction.apply(...)`` is therefore recorded as one opaque op (``fxremat::function_apply``,
+whose fake kernel runs the forward on export's fake tensors), and that op is then replaced by a
+call of ``SomeFunction.apply`` itself, as in a traced model: it runs, and is recomputed, with its
+own backward.
+
 The graph is specialised to the call's input shapes and to its non-tensor arguments, so
 :class:`fxremat.RematModule` captures once per input signature. A forward with a ``use_cache``
 parameter that the call does not set gets ``use_cache=False``, as Hugging Face's own training
@@ -41,12 +49,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import TreeSpec, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..errors import TraceError
 from ..measure import LiveStorageTracker
 from .profile import preserved_state
-from .trace import functions_routed, user_line
+from .trace import function_call, functions_routed, restore_modes, user_line
 
 __all__ = ["Captured", "capture_call"]
 
@@ -111,6 +119,88 @@ def _flat_graph(exported: torch.export.ExportedProgram) -> tuple[fx.GraphModule,
     return gm, tuple(kept)
 
 
+@dataclass
+class _FunctionCall:
+    """One ``SomeFunction.apply(*args, **kwargs)`` met while capturing: the call's flattened
+    arguments (fake tensors and constants) and, once its fake kernel ran, its flattened output."""
+
+    cls: type
+    run: object  # applies the Function as torch does
+    leaves: list
+    spec: TreeSpec
+    out_leaves: list | None = None
+    out_spec: TreeSpec | None = None
+
+    def arguments(self, tensors) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of the call with its tensors replaced by ``tensors``, in order."""
+        it = iter(tensors)
+        return tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in self.leaves], self.spec)
+
+
+_CALLS: dict[int, _FunctionCall] = {}  # the calls of the capture in progress, by the op's first argument
+
+
+@torch.library.custom_op("fxremat::function_apply", mutates_args=())
+def _function_apply(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Stands for the custom Function call ``_CALLS[call]`` (its tensor arguments ``tensors``, its
+    tensor outputs returned) in a graph being captured; replaced by :func:`_functions_kept_whole`
+    before the graph runs."""
+    raise RuntimeError("fxremat: a captured autograd.Function call was left unconverted")
+
+
+@_function_apply.register_fake
+def _function_apply_fake(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _CALLS[call]
+    args, kwargs = entry.arguments(tensors)
+    with torch.no_grad():
+        out = entry.run(*args, **kwargs)
+    entry.out_leaves, entry.out_spec = tree_flatten(out)
+    # an op's outputs are new tensors: a forward that returns an input (or a view of one) is cloned
+    return [x.clone() for x in entry.out_leaves if isinstance(x, torch.Tensor)]
+
+
+def _as_one_op(cls, run, args, kwargs):
+    """While capturing, a custom Function's ``apply`` is recorded as one ``fxremat::function_apply``
+    op; torch's own Functions run as written."""
+    if cls.__module__.startswith("torch."):
+        return run(*args, **kwargs)
+    key = len(_CALLS)
+    leaves, spec = tree_flatten((args, kwargs))
+    _CALLS[key] = entry = _FunctionCall(cls, run, leaves, spec)
+    outputs = iter(_function_apply(key, [x for x in leaves if isinstance(x, torch.Tensor)]))
+    return tree_unflatten([next(outputs) if isinstance(x, torch.Tensor) else x for x in entry.out_leaves],
+                          entry.out_spec)
+
+
+def _functions_kept_whole(model: torch.nn.Module, gm: fx.GraphModule, calls: dict[int, _FunctionCall]) -> None:
+    """Each ``fxremat::function_apply`` node of ``gm`` becomes a call of its Function's ``apply``
+    (a :class:`~fxremat.passes.trace.ModeCall` after :func:`restore_modes`); in place."""
+    graph = gm.graph
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.fxremat.function_apply.default]
+    for node in ops:
+        entry = calls[node.args[0]]
+        args, kwargs = entry.arguments(node.args[1])
+        single = entry.out_spec.is_leaf()
+        if not single and not (entry.out_spec.type in (tuple, list) and entry.out_spec.num_children == len(entry.out_leaves)
+                               and all(isinstance(x, torch.Tensor) for x in entry.out_leaves)):
+            raise TraceError("", RuntimeError(
+                f"the custom torch.autograd.Function {entry.cls.__module__}.{entry.cls.__qualname__} returns "
+                f"{entry.out_spec.type.__name__ if entry.out_spec.type else 'a structure'} with values that are not "
+                "tensors, which fxremat cannot keep whole in a torch.export capture"),
+                module_class=type(model).__name__, hint=(
+                    "return a tensor or a tuple of tensors from its forward, or train this model without fxremat"))
+        with graph.inserting_before(node):
+            call = function_call(graph, entry.cls, args, kwargs)
+        for user in list(node.users):  # the op's outputs are a list: a single tensor is the call itself
+            if single:
+                user.replace_all_uses_with(call)
+                graph.erase_node(user)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    if ops:
+        restore_modes(gm)
+
+
 def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     """Capture ``model(*args, **kwargs)`` in training mode with ``torch.export`` (see the module
     docstring). Raises :class:`fxremat.TraceError` naming the model's class and the line of its
@@ -118,15 +208,8 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     added = _added_kwargs(model, args, kwargs)
     if added:
         log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
-    applied: dict[type, None] = {}
-
-    def record(cls, run, call_args, call_kwargs):
-        if not cls.__module__.startswith("torch."):
-            applied[cls] = None
-        return run(*call_args, **call_kwargs)
-
     try:
-        with functions_routed(record):
+        with functions_routed(_as_one_op):
             exported = torch.export.export(model, tuple(args), {**kwargs, **added}, strict=False)
     except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
         where = user_line(exc)
@@ -134,28 +217,15 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
             "torch.export could not capture this call either; make the code at that line work on "
             "tensors whose values are unknown (no Python branch on a tensor's value), or compile "
             "the submodules that do the work")) from exc
-    if applied:
-        _refuse_functions(model, tuple(applied))
+    finally:
+        calls = dict(_CALLS)
+        _CALLS.clear()
     gm, kept = _flat_graph(exported)
+    _functions_kept_whole(model, gm, calls)
     spec = exported.call_spec
     captured = Captured(gm, spec.in_spec, spec.out_spec, kept, added)
     extra = _plain_extra_bytes(model, gm, args, kwargs, captured.inputs(args, kwargs))
     return dataclasses.replace(captured, plain_extra_bytes=extra)
-
-
-def _refuse_functions(model: torch.nn.Module, functions: tuple) -> None:
-    """A custom ``torch.autograd.Function`` does not survive the capture: torch.export records the
-    ops of its ``forward`` and autograd would differentiate those, not run its ``backward`` (on
-    Hugging Face's Bloom, whose GELU is one, every gradient before it differed in the last bits; a
-    straight-through estimator would get the gradient of a rounding, zero). Refused, not run."""
-    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in functions)
-    raise TraceError("", RuntimeError(
-        f"its forward applies the custom torch.autograd.Function {names}; the torch.export capture records "
-        "the ops of its forward and drops its backward, so the gradients would not be the model's"),
-        module_class=type(model).__name__, hint=(
-            "fxremat keeps such a Function whole only in models torch.fx traces (a forward without *args); "
-            "replace its calls with plain differentiable PyTorch code where its backward is their derivative "
-            "(for example its forward), or train this model without fxremat"))
 
 
 def _forward_bytes(model: torch.nn.Module, fn, *args, **kwargs) -> int:

@@ -54,7 +54,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "functions_routed", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -546,6 +546,15 @@ def functions_routed(route):
         yield
     finally:
         function.apply = original
+
+
+def function_call(graph: fx.Graph, cls: type, args: tuple, kwargs: dict) -> fx.Node:
+    """A node of ``graph`` (placed at its insertion point) that applies the custom
+    ``torch.autograd.Function`` ``cls`` to ``args``/``kwargs`` (nodes and constants) as one call:
+    :func:`restore_modes` makes it a :class:`ModeCall` of ``cls.apply``."""
+    node = graph.create_node("call_function", _autograd_function_apply, args, kwargs, name=cls.__name__.lower())
+    node.meta[_FUNCTION_META] = cls
+    return node
 
 
 def _kept_whole(cls, run, args, kwargs):
