@@ -5,6 +5,9 @@ from hypothesis import given, strategies as st
 
 from fxremat.budget import parse_budget
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 
 @pytest.mark.parametrize("text, expected", [
     ("800MiB", 800 * 2**20), ("1.5GB", 1_500_000_000), ("2 GiB", 2 * 2**30), ("512 kB", 512_000),

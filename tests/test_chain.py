@@ -23,6 +23,9 @@ from fxremat.solvers.rotor import CheckpointSegment, PlainStage, flatten_nested,
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.nets import resnet_chain, transformer_stack  # noqa: E402
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 
 def _graph(model, x):
     gm = trace(model)

@@ -6,6 +6,9 @@ import torch
 import fxremat
 from _models import assert_same_state, loss_of, pair, small_pspnet, small_unet, train_step, with_grads
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 NETS = {"unet": (small_unet, (2, 3, 64, 64)), "pspnet": (small_pspnet, (2, 3, 64, 64))}
 
 

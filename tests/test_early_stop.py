@@ -30,6 +30,9 @@ from _models import assert_same_state, matrix_products, min_cut_replay, pair, tr
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.nets import transformer_stack  # noqa: E402
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 
 def _transformer():
     torch.manual_seed(0)

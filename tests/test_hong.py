@@ -16,6 +16,9 @@ from fxremat.simulate import simulate
 from fxremat.solvers.chen import cut_points
 from fxremat.solvers.hong import hong_candidates, hong_chain, hong_peak, hong_quadratic, stage_sizes
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 FAST = settings(max_examples=150, deadline=None)
 
 

@@ -21,6 +21,9 @@ from fxremat.core import CostGraph, anchors, load_graph, merged_anchors
 from fxremat.lowersets import all_lower_sets, enumerate_lower_sets, pruned_family
 from fxremat.solvers import kusumoto
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 # dp_impl switches the kernels once per test, for all its examples
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fixtures")

@@ -1,12 +1,16 @@
 """Random module graphs compile at random budgets: either they train exactly within the budget,
 or they raise InfeasibleBudgetError and the minimum it states is feasible."""
 
+import pytest
 import torch
 import torch.nn as nn
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import fxremat
 from _models import assert_same_state, pair, with_grads
+
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
 
 D = 16
 OPS = ("linear", "add", "cat", "mul", "relu_", "dropout", "view", "shared")

@@ -12,6 +12,9 @@ from fxremat.solvers.rotor import (
 )
 from brute_rotor import brute_force_min_time, brute_force_schedule
 
+# planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
+pytestmark = pytest.mark.solver
+
 FAST = settings(max_examples=60, deadline=None)
 
 
