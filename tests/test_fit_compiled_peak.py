@@ -221,3 +221,32 @@ def test_a_shape_planned_at_a_training_step_warns_and_is_fitted_on_request():
     with pytest.raises(ValueError, match="backend='eager'"):
         eager.fit_compiled_peak(x)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("off_extra, kept_off", [(0, True), (2, False)])
+def test_a_plan_over_its_budget_under_inductor_tries_the_layout_optimization_off(monkeypatch, off_extra, kept_off):
+    """Inductor's layout optimization keeps channels-last copies of convolution weights from the
+    forward to the backward (PSPNet on the CPU at "min": 15.3 MiB for a 13.1 MiB plan, 13.1 with it
+    off; the U-Net needs more with it off). Where even the fitted plan measures over the budget,
+    the fit measures the first plan with it off and keeps whichever measured less. The compiler is
+    simulated here (a real Inductor compile of a net where this shows takes minutes on the CPU):
+    each measured step reads the plan's predicted peak plus what the layout setting adds."""
+    model, x = _transformer()
+    options = []  # the Inductor options of each compile of the module, in order
+    monkeypatch.setattr(fxremat.RematModule, "compile", lambda self, **kw: options.append(kw.get("options")))
+    extra = {True: 2**20, False: off_extra * 2**20}  # layout optimization on / off
+    monkeypatch.setattr(api, "_compiled_step_peak", lambda remat, args, kwargs: remat.plan.predicted_peak_bytes
+                        + extra[options[-1] is None])
+    compiled = fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend="inductor")
+    plan, note = compiled.plan, compiled.plan.notes[-1]
+    assert "layout optimization off)" in note  # measured both ways
+    kept = plan.predicted_peak_bytes + extra[not kept_off]
+    assert f"kept the plan that measured {format_bytes(kept)}" in note
+    assert note.endswith("with Inductor's layout optimization off") == kept_off
+    # with it off, the module stays compiled so; otherwise it is compiled back with it on
+    assert options == [None, {"layout_optimization": False}] + ([] if kept_off else [None])
+    options.clear()
+    with torch._inductor.config.patch(layout_optimization=False):  # the user's own setting stays
+        with pytest.warns(UserWarning, match="compiled step's peak"):
+            fxremat.compile(copy.deepcopy(model), "min", example_inputs=(x,), backend="inductor")
+    assert options == [None]
