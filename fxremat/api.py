@@ -36,7 +36,7 @@ from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, s
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import CALL_OPS, HookWatch, module_of, trace, varargs_reason
+from .passes.trace import CALL_OPS, HookWatch, module_of, output_rebuilder, trace, varargs_reason
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -1017,6 +1017,14 @@ class _State:
         self.compiled_checked: set = set()  # ids of plans checked for a torch.compile by hand
         self.last = None
         self.traced_bindings = attribute_bindings(traced, model) if traced is not None else ()
+        self._rebuilding(traced)
+
+    def _rebuilding(self, traced: fx.GraphModule | None) -> None:
+        """``rebuild``: ``None``, or what makes a traced graph's plain dict output the forward's own
+        type again (a ``ModelOutput``: :func:`~fxremat.passes.trace.output_rebuilder`); ``finish``:
+        the same, run without Dynamo (a training call under torch.compile)."""
+        self.rebuild = output_rebuilder(traced) if traced is not None else None
+        self.finish = _same if self.rebuild is None else _without_dynamo(self.rebuild)
 
     def retrace(self, traced: fx.GraphModule | None = None) -> None:
         """Trace again (or take ``traced``, a new trace) and forget every plan: the submodules with
@@ -1027,6 +1035,7 @@ class _State:
         self.traced = traced
         self.hooks = HookWatch(self.model)
         self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
+        self._rebuilding(self.traced)
         for store in (self.cache, self.emitted, self.timed, self.planned):
             store.clear()
         self.last = None
@@ -1384,7 +1393,7 @@ class RematModule(torch.nn.Module):
             _, gm, _, captured = self._prepare_call(args, kwargs, True)
             return gm, captured.inputs(args, kwargs), captured.output
         inputs = self._bind(args, kwargs)
-        return self._prepare(inputs, True)[1], inputs, _same
+        return self._prepare(inputs, True)[1], inputs, self._remat.finish
 
     @_eager_between_graphs
     def _check_hooks(self) -> None:
@@ -1402,7 +1411,8 @@ class RematModule(torch.nn.Module):
             return captured.output(_run_emitted(gm, captured.inputs(args, kwargs)))
         inputs = self._bind(args, kwargs)
         gm = self._prepare(inputs, torch.compiler.is_compiling())[1]
-        return _run_emitted(gm, inputs)
+        out = _run_emitted(gm, inputs)
+        return out if self._remat.rebuild is None else self._remat.rebuild(out)
 
     @_eager_between_graphs
     def _prepare_call(self, args: tuple, kwargs: dict, compiling: bool = False):

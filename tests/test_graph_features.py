@@ -524,3 +524,59 @@ def test_a_leaf_made_for_a_shape_check_names_the_shape_not_every_parameter_befor
     message = next(str(w.message) for w in said if "'fold'" in str(w.message))
     assert "computed from the shape of 'layers_7'" in message, message
     assert "attribute" not in message and len(message) < 800, message
+
+
+class _Segmenter(nn.Module):
+    """Returns its loss and logits in an output object, as Hugging Face models do."""
+
+    def __init__(self, wrap):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                                  nn.ReLU(), nn.Conv2d(16, 4, 1))
+        self.wrap = wrap
+
+    def forward(self, x, labels):
+        logits = self.body(x)
+        return self.wrap(loss=F.cross_entropy(logits, labels), logits=logits)
+
+
+def _output_types():
+    from collections import OrderedDict
+
+    types = [("OrderedDict", lambda **kw: OrderedDict(kw))]
+    try:
+        from transformers.modeling_outputs import SemanticSegmenterOutput
+    except ImportError:  # the hf extra: the README's test command installs it
+        return types
+    return types + [("ModelOutput", SemanticSegmenterOutput)]
+
+
+@pytest.mark.parametrize("name, wrap", _output_types())
+def test_a_traced_forward_returning_an_output_object_returns_it_again(name, wrap):
+    """torch.fx lowers a dict subclass to a plain dict: a traced model that returned a
+    ``ModelOutput`` (or an ``OrderedDict``) returned a dict, and ``out.loss`` failed."""
+    torch.manual_seed(0)
+    plain, model = pair(_Segmenter(wrap))
+    x, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2, 32, 32))
+    compiled = fxremat.compile(model, "min", example_inputs=(x, labels))
+    assert any(s.recomputed for s in compiled.plan.segments)
+    outs = [m(x, labels) for m in (plain, compiled)]
+    assert type(outs[1]) is type(outs[0]) and list(outs[1].keys()) == ["loss", "logits"]
+    if name == "ModelOutput":
+        assert torch.equal(outs[1].loss, outs[0].loss) and torch.equal(outs[1][1], outs[0][1])
+    for out in outs:
+        out["loss"].backward()
+    assert_same_state(plain, compiled)
+
+
+@pytest.mark.compiler
+def test_an_output_object_is_returned_again_under_torch_compile():
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    model = _Segmenter(lambda **kw: OrderedDict(kw))
+    x, labels = torch.randn(2, 3, 32, 32), torch.randint(0, 4, (2, 32, 32))
+    compiled = torch.compile(fxremat.compile(model, "min", example_inputs=(x, labels)), backend="aot_eager")
+    out = compiled(x, labels)
+    assert type(out) is OrderedDict and torch.equal(out["loss"], model(x, labels)["loss"])
+    torch._dynamo.reset()

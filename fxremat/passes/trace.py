@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -54,7 +55,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -111,6 +112,9 @@ class _LeafTracer(fx.Tracer):
         # fxremat.passes.state.StateWrite; put back after the trace).
         self.state_writes: dict = {}
         self._qualname_counter = collections.defaultdict(int)
+        self._arg_depth = 0
+        self._outer_arg_type: type | None = None  # the type of the last value lowered at the top level
+        self.output_type: type | None = None  # the type of what the traced forward returned
 
     def get_fresh_qualname(self, prefix: str) -> str:
         name = super().get_fresh_qualname(prefix)
@@ -135,7 +139,20 @@ class _LeafTracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, qualname)
 
+    def create_arg(self, a):
+        # torch.fx lowers a dict subclass (a Hugging Face ModelOutput, an OrderedDict) to a plain
+        # dict: the type of the value the forward returns is remembered (see output_rebuilder).
+        if not self._arg_depth:
+            self._outer_arg_type = type(a)
+        self._arg_depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self._arg_depth -= 1
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if kind == "output":
+            self.output_type = self._outer_arg_type
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         # The tracer runs the Python forward, so `with torch.no_grad():` and `with torch.autocast(...)`
         # really change the state while the nodes of their body are created; torch.fx itself
@@ -685,9 +702,27 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             warnings.warn(_untraceable_message(model, failing, exc), stacklevel=3)
             names = names | {failing}
             continue
-        name = type(model).__name__
-        return restore_modes(fx.GraphModule(tracer.root, graph, name))
+        gm = restore_modes(fx.GraphModule(tracer.root, graph, type(model).__name__))
+        if tracer.output_type is not dict and issubclass(tracer.output_type, dict):
+            gm.meta[_OUTPUT_TYPE_META] = tracer.output_type
+        return gm
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
+
+
+_OUTPUT_TYPE_META = "fxremat_output_type"  # a traced GraphModule's: the dict subclass its forward returned
+
+
+def output_rebuilder(gm: fx.GraphModule):
+    """``None``, or the function that makes the plain dict a traced ``gm`` (and the modules emitted
+    from it) returns the forward's own output again: the Hugging Face ``ModelOutput`` (a dataclass,
+    rebuilt from its fields, so ``out.loss`` and ``out[0]`` work as in eager) or other dict
+    subclass (rebuilt from the items) it returned."""
+    cls = gm.meta.get(_OUTPUT_TYPE_META)
+    if cls is None:
+        return None
+    if dataclasses.is_dataclass(cls):
+        return lambda out: cls(**out)
+    return lambda out: cls(out)
 
 
 def varargs_reason(module: torch.nn.Module) -> str | None:
