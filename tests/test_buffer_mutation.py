@@ -122,3 +122,35 @@ def test_compile_and_plan_leave_the_state_dict_unchanged():
         _assert_same_dict(before, _state(model))
         fxremat.plan(model, 0.8, example_inputs=(X,), cost_model="flops")
     _assert_same_dict(before, _state(model))
+
+
+class _CapturedDeadBranch(nn.Module):
+    """A ``*args`` forward (captured with torch.export) that computes an auxiliary head and a
+    dropout it then drops, as UperNet's auxiliary head without labels: eager still updates that
+    BatchNorm's running statistics and draws the dropout's numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.Conv2d(8, 8, 3, padding=1), nn.ReLU())
+        self.aux = nn.Sequential(nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4))
+
+    def forward(self, *args):
+        h = self.main(args[0])
+        self.aux(h)
+        F.dropout(h, 0.5)
+        return F.dropout(h, 0.5).mean((2, 3))
+
+
+@pytest.mark.parametrize("budget", [1.0, "min"])
+def test_a_captured_forward_keeps_the_calls_whose_results_it_drops(budget):
+    """The capture's dead-code pass dropped them (``aten.batch_norm``'s schema does not say it
+    writes the running statistics): aux's stayed at 0 and 1, and the next dropout's mask moved."""
+    plain, model = pair(_CapturedDeadBranch())
+    remat = fxremat.compile(model, budget, example_inputs=(X,), cost_model="flops")
+    assert remat._remat.traced is None  # captured
+    with_grads(plain), with_grads(remat)
+    for step in range(2):
+        assert torch.equal(train_step(plain, X, seed=step), train_step(remat, X, seed=step))
+    assert_same_state(plain, remat)
+    assert not torch.equal(remat.aux[1].running_mean, torch.zeros(4))

@@ -100,12 +100,24 @@ def _added_kwargs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
 
 def _flat_graph(exported: torch.export.ExportedProgram) -> tuple[fx.GraphModule, tuple[int, ...]]:
     """The unlifted program with the default codegen: positional placeholders, tuple output,
-    no input checks; placeholders nothing reads are dropped (their indices are not kept)."""
+    no input checks; placeholders nothing reads are dropped (their indices are not kept). Only
+    what the checks alone read goes with them: a call whose result the forward drops stays, as it
+    ran in eager (a BatchNorm whose output is unused still updates its running statistics, which
+    ``aten.batch_norm``'s schema does not say; an unused dropout still draws its numbers)."""
     unlifted = exported.module()
     graph = unlifted.graph
     graph._codegen = fx.graph.CodeGen()
+    read: list[fx.Node] = []
     for node in list(graph.nodes):
         if node.op == "call_module" and node.target == "_guards_fn" or node.target in _CHECK_TARGETS:
+            read += node.all_input_nodes
+            graph.erase_node(node)
+    gone: set[fx.Node] = set()
+    while read:  # what only the checks read (sizes of the inputs)
+        node = read.pop()
+        if node.op == "call_function" and not node.users and node not in gone:
+            read += node.all_input_nodes
+            gone.add(node)
             graph.erase_node(node)
     kept = []
     for i, node in enumerate([n for n in graph.nodes if n.op == "placeholder"]):
@@ -113,7 +125,6 @@ def _flat_graph(exported: torch.export.ExportedProgram) -> tuple[fx.GraphModule,
             kept.append(i)
         else:
             graph.erase_node(node)
-    graph.eliminate_dead_code()
     graph.lint()
     gm = fx.GraphModule(unlifted, graph, type(unlifted).__name__)
     return gm, tuple(kept)
