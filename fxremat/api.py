@@ -420,9 +420,10 @@ def _nested_args(segments):
 def _emit(gm: fx.GraphModule, the_plan: Plan) -> fx.GraphModule:
     mutated = {n.name: n.mutated_buffers for n in the_plan.nodes}
     random = {n.name for n in the_plan.nodes if n.draws_random}
+    views = {n.name for n in the_plan.nodes if n.root != n.name}
     segments, recomputed, inner = _nested_args(the_plan.segments)
     with _stage("emitting", f"{sum(recomputed)} recomputed segments"):
-        return rewrite(gm, segments, recomputed, mutated, inner, random=random)
+        return rewrite(gm, segments, recomputed, mutated, inner, random=random, views=views)
 
 
 def _wrappers() -> list[tuple[type, str, str]]:

@@ -302,13 +302,30 @@ def order_edges(preds, anchor, chains=()) -> tuple[tuple[int, ...], ...]:
         gpreds.setdefault(anchor[v], set()).update(anchor[p] for p in ps if anchor[p] != anchor[v])
     sequences = [sorted(succs[v]) for v in range(len(preds)) if len(succs[v]) >= 2]
     sequences += [list(c) for c in chains]
+
+    def add(a: int, b: int) -> bool:
+        ga, gb = anchor[a], anchor[b]
+        if ga == gb or _reaches(gpreds, ga, gb):
+            return False
+        merged[b].add(a)
+        gpreds.setdefault(gb, set()).add(ga)
+        return True
+
     for users in sequences:
         for a, b in zip(users, users[1:]):
-            ga, gb = anchor[a], anchor[b]
-            if ga == gb or _reaches(gpreds, ga, gb):
-                continue
-            merged[b].add(a)
-            gpreds.setdefault(gb, set()).add(ga)
+            if not add(a, b) and anchor[b] != b and anchor[a] != anchor[b]:
+                # b is tied to the value's own group (a view of it, taken after a): the emitted code
+                # takes it (and the views of it tied there too) after a (fxremat.passes.rewrite),
+                # where their readers run after a
+                tied, readers = [b], set()
+                while tied:
+                    for u in succs[tied.pop()]:
+                        if anchor[u] == anchor[b]:
+                            tied.append(u)
+                        else:
+                            readers.add(u)
+                for u in sorted(readers):
+                    add(a, u)
     return tuple(tuple(sorted(m - set(ps))) for m, ps in zip(merged, preds))
 
 

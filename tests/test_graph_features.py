@@ -580,3 +580,46 @@ def test_an_output_object_is_returned_again_under_torch_compile():
     out = compiled(x, labels)
     assert type(out) is OrderedDict and torch.equal(out["loss"], model(x, labels)["loss"])
     torch._dynamo.reset()
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(c)
+        self.c1, self.c2 = nn.Conv2d(c, 2 * c, 1), nn.Conv2d(2 * c, c, 1)
+
+    def forward(self, x):
+        return x + self.c2(F.gelu(self.c1(self.bn(x))))
+
+
+class _ViewAfterReaders(nn.Module):
+    """CoAtNet's transition: ``y`` is read by two pooling shortcuts, then permuted for a LayerNorm.
+    The view is tied to ``y``'s segment, so the emitted code took it before the pools: ``y``'s
+    gradient then summed its three terms in another order (and took another memory layout)."""
+
+    def __init__(self, c=16):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.convs = nn.Sequential(*[_ConvBlock(c) for _ in range(4)])
+        self.ln = nn.LayerNorm(c)
+        self.short, self.gate, self.proj = (nn.Conv2d(c, 2 * c, 1) for _ in range(3))
+        self.tail = nn.Sequential(*[_ConvBlock(2 * c) for _ in range(2)])
+        self.head = nn.Linear(2 * c, 10)
+
+    def forward(self, x):
+        y = self.convs(self.stem(x))
+        s = self.short(F.avg_pool2d(y, 2)) * torch.sigmoid(self.gate(F.max_pool2d(y, 2)))
+        h = self.ln(y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(self.tail(s + self.proj(F.avg_pool2d(h, 2))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_a_view_is_taken_after_the_readers_of_its_base_that_eager_ran_first(budget):
+    torch.manual_seed(0)
+    plain, model = pair(_ViewAfterReaders())
+    x = torch.randn(2, 3, 32, 32)
+    compiled = fxremat.compile(model, budget, example_inputs=(x,), strategy="rotor", cost_model="flops")
+    assert any(s.recomputed for s in compiled.plan.segments)
+    for m in (plain, compiled):
+        m(x).sum().backward()
+    assert_same_state(plain, compiled)

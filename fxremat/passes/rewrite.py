@@ -8,6 +8,16 @@ restore the RNG state); the last segment's nodes run inline, plainly. Inputs of 
 segments or graph inputs; its outputs are the values later segments or the graph output read.
 The input GraphModule is not modified; submodules, parameters and buffers are shared with it.
 
+A view is taken where eager PyTorch takes it among the readers of its base. Autograd sums a
+value's gradient contributions in the order their backward nodes run, which follows the order the
+forward created them in; a view (``y.permute(...)``) is tied to its base's segment, so a reader of
+``y`` that ran before the view in the traced code could run after it in the emitted one (CoAtNet's
+``avg_pool(y)`` and ``y.permute(...)``): the gradient of ``y`` then took the other term's memory
+layout (conv bias gradients differed in the last bits) and, with three terms, another sum. Such a
+view is emitted in the segment of the reader of its base that precedes it, where all its own
+readers run at or after that segment (the planner's ordering edges see to it,
+:func:`fxremat.core.order_edges`). It owns no storage, so memory is the same.
+
 A recomputed segment may carry its own recomputation schedule (``inner``, rotor's nested
 checkpoints): its submodule is then itself rewritten, so ``seg_<i>`` calls
 ``recompute(self.seg_<j>, ...)`` on the parts of it that are checkpointed again inside it.
@@ -58,17 +68,21 @@ def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs, outputs) -
 
 
 def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str, tuple[str, ...]],
-            inner=None, *, random: set[str] | None = None) -> fx.GraphModule:
+            inner=None, *, random: set[str] | None = None, views: set[str] = frozenset()) -> fx.GraphModule:
     """Return a new GraphModule running ``gm`` segment by segment (see the module docstring).
 
     ``segments`` are lists of call-node names in graph order, given in the order of the lower
     sets (so every segment only reads earlier segments); ``recomputed`` is a flag per segment,
     ``mutated_buffers`` the buffers each node mutates (from profiling). ``inner`` (optional) has
     one entry per segment: ``None`` or, for a recomputed segment, ``(segments, recomputed,
-    inner)`` of the same form over that segment's nodes, its nested checkpoints.
+    inner)`` of the same form over that segment's nodes, its nested checkpoints. ``views``: the
+    nodes that own no storage (views of their input), taken where eager takes them.
     """
     inner = inner or [None] * len(segments)
+    if views:
+        segments, recomputed, inner = _views_in_order(gm, segments, recomputed, inner, views)
     by_name = {n.name: n for n in gm.graph.nodes}
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
     top = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, object] = {}
@@ -76,9 +90,10 @@ def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str,
         if node.op == "placeholder":
             env[node] = top.node_copy(node)
     for i, (names, rec, nested) in enumerate(zip(segments, recomputed, inner)):
-        members = [by_name[name] for name in names]
+        # in traced order: the order of the cost graph may take a view before an earlier reader
+        members = sorted((by_name[name] for name in names), key=position.get)
         if rec:
-            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested, random)
+            _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested, random, views)
             continue
         for node in members:
             env[node] = _copy_inline(top, node, env, gm, attrs)
@@ -86,6 +101,90 @@ def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str,
     _copy_inline(top, out, env, gm, attrs)
     top.lint()
     return fx.GraphModule(attrs, top, "RematGraph")
+
+
+def _views_in_order(gm: fx.GraphModule, segments, recomputed, inner, views):
+    """``(segments, recomputed, inner)`` with each view of ``views`` moved, where eager took it
+    after a reader of its base that the schedule emits later, into that reader's segment (in
+    graph order there, and in the same nested segment as that reader); not where a reader of the
+    view itself runs before that segment. Segments left empty are dropped."""
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    segments = [list(names) for names in segments]
+    inner = list(inner)
+    where = {name: i for i, names in enumerate(segments) for name in names}
+    last = len(segments)  # the graph's output
+    for node in sorted((by_name[v] for v in views if v in where), key=position.get):
+        bases = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        if len(bases) != 1 or bases[0].name in views and where.get(bases[0].name) == where[node.name]:
+            continue  # not a view of a value, or a view of a view (moved with it)
+        before = [u for u in bases[0].users if position[u] < position[node] and u.name in where]
+        if not before:
+            continue
+        reader = max(before, key=position.get)
+        home, there = where[node.name], where[reader.name]
+        chain = _tied_views(node, views, where, home)
+        readers = {u.name for v in chain for u in v.users} - {v.name for v in chain}
+        if there <= home or any(where.get(u, last) < there for u in readers) \
+                or not _reads_after(inner[there], reader.name, readers):
+            continue
+        for v in chain:
+            segments[home].remove(v.name)
+            inner[home] = _without(inner[home], v.name)
+            segments[there] = sorted(segments[there] + [v.name], key=lambda n: position[by_name[n]])
+            inner[there] = _with(inner[there], v.name, reader.name, position, by_name)
+            where[v.name] = there
+    kept = [i for i, names in enumerate(segments) if names]
+    return [segments[i] for i in kept], [recomputed[i] for i in kept], [inner[i] for i in kept]
+
+
+def _without(nested, name: str):
+    """A nested schedule ``(segments, recomputed, inner)`` (or ``None``) without node ``name``."""
+    if nested is None:
+        return None
+    segments, recomputed, inner = nested
+    out = ([], [], [])
+    for names, rec, sub in zip(segments, recomputed, inner):
+        names = [n for n in names if n != name]
+        if names:
+            out[0].append(names)
+            out[1].append(rec)
+            out[2].append(_without(sub, name))
+    return out
+
+
+def _tied_views(node: fx.Node, views, where: dict, home: int) -> list[fx.Node]:
+    """``node`` and the views of it (and of those) in the same segment."""
+    chain, stack = [], [node]
+    while stack:
+        v = stack.pop()
+        chain.append(v)
+        stack += [u for u in v.users if u.name in views and where.get(u.name) == home and u not in chain]
+    return chain
+
+
+def _reads_after(nested, beside: str, readers: set[str]) -> bool:
+    """Whether no node of ``readers`` runs in a nested segment before the one of ``beside``."""
+    if nested is None:
+        return True
+    segments, _, inner = nested
+    at = next(i for i, names in enumerate(segments) if beside in names)
+    if any(readers.intersection(names) for names in segments[:at]):
+        return False
+    return _reads_after(inner[at], beside, readers)
+
+
+def _with(nested, name: str, beside: str, position, by_name):
+    """A nested schedule (or ``None``) with node ``name`` in the innermost segment of ``beside``."""
+    if nested is None:
+        return None
+    segments, recomputed, inner = nested
+    segments, inner = [list(s) for s in segments], list(inner)
+    for i, names in enumerate(segments):
+        if beside in names:
+            segments[i] = sorted(names + [name], key=lambda n: position[by_name[n]])
+            inner[i] = _with(inner[i], name, beside, position, by_name)
+    return segments, list(recomputed), inner
 
 
 def _copy_inline(top: fx.Graph, node: fx.Node, env, gm: fx.GraphModule, attrs) -> fx.Node:
@@ -105,14 +204,15 @@ def _resolve(gm: fx.GraphModule, target: str):
     return obj
 
 
-def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None, random=None) -> None:
+def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None, random=None, views=frozenset()) -> None:
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
     name = f"seg_{i}"
     seg = _segment_module(gm, members, inputs, outputs)
     if nested is not None:
         sub_segments, sub_recomputed, sub_inner = nested
-        flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner, random=random)
+        flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner, random=random,
+                                 views=views)
         for buffer in mutated:  # restored around this segment's recomputation: reachable from it
             _attach(seg, flat, buffer.rpartition(".")[0])
     attrs[name] = seg
