@@ -56,13 +56,19 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
     total = sum(c.fwd_cost for c in node_costs) or 1.0
     unit = total / TIME_RESOLUTION
     roots = tuple(index.get(c.root, v) for v, c in enumerate(node_costs))
-    out_roots = {roots[v] for v, n in enumerate(calls) if n in outputs and node_costs[v].grad_bytes}
+    out_nodes = [v for v, n in enumerate(calls) if n in outputs and node_costs[v].grad_bytes]
+    out_roots = {roots[v] for v in out_nodes}
     saved = []
     for v, c in enumerate(node_costs):
         owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
         saved.append(tuple(sorted(owners)))
     shared = _shared_params(gm, node_costs)
-    scalars = [r for r in out_roots if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
+    # The loss is the output node the backward starts from: after ``loss += 0.4 * aux_loss`` (in
+    # place, as UperNet's) that is the write, not the storage's first node, whose backward alone
+    # would leave the auxiliary branch without a gradient (the prediction then missed its
+    # backward: 131 KB under on UperNet, and the compiled peak 1.13x its budget).
+    last = {roots[v]: v for v in out_nodes}  # the latest output node of each storage
+    scalars = [v for r, v in last.items() if node_costs[r].grad_bytes <= _MAX_SCALAR_BYTES]
     loss_output = scalars[0] if len(scalars) == 1 else None
     written = _written_storages(gm, calls, node_costs, index)
     # an in-place write stays with the producer of what it writes: a segment boundary between them
