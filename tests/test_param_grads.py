@@ -80,6 +80,23 @@ def _ws_net():
                          nn.Linear(64, 10))
 
 
+class GRN(nn.Module):
+    """ConvNeXt-V2's global response normalization around an MLP: ``w * (h * n) + b + h`` with
+    ``w``, ``b`` parameters broadcast over the batch. The add of ``b`` was taken to allocate its
+    other input's gradient (a broadcast add reduces the gradient, but only into ``b``'s)."""
+
+    def __init__(self, c=64):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.w, self.b = nn.Parameter(torch.zeros(1, 1, 1, 4 * c)), nn.Parameter(torch.zeros(1, 1, 1, 4 * c))
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        g = torch.linalg.vector_norm(h, ord=2, dim=(1, 2), keepdim=True)
+        h = self.w * (h * (g / (g.mean(dim=-1, keepdim=True) + 1e-6))) + self.b + h
+        return x + self.fc2(h)
+
+
 def _mlp(layer, width=512, depth=4):
     torch.manual_seed(0)
     mods = []
@@ -211,7 +228,8 @@ class Twice(nn.Module):
     # a view of a parameter was counted as the parameter by every node reading it: +50% and +60%
     (lambda: _mlp(TransposedLinear), torch.randn(4, 16, 512)),
     (_ws_net, torch.randn(2, 3, 16, 16)),
-], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized"])
+    (lambda: nn.Sequential(*[GRN() for _ in range(3)]), torch.randn(2, 8, 8, 64)),
+], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized", "broadcast-bias"])
 def test_plain_peak_predicted_within_two_percent(make, x):
     torch.manual_seed(0)
     model = make()

@@ -442,7 +442,9 @@ def _grad_alias(out, args, before=frozenset()) -> bool:
     leaves = {id(t) for t in inputs if t.grad_fn is None}
     name = outs[0].grad_fn.name()
     if name.startswith("AddBackward0"):  # broadcasting adds reduce the gradient: a new buffer
-        if not all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in inputs):
+        # (into .grad for a parameter, a bias broadcast over the batch, which the node's parameter
+        # gradients count: the other input's gradient is still a view)
+        if not all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in inputs if id(t) not in leaves):
             return False
     return _passes_views(outs[0].grad_fn, stops, leaves, depth=8)
 
