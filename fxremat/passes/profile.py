@@ -259,6 +259,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         # autograd nodes of the inputs before the call: a call that returns an input unchanged
         # (nn.Identity) adds none, and its gradient passes through as it is
         before = {t.grad_fn for t in _tensors(self._fetch_args(n)) if t.grad_fn is not None}
+        self.sequence_start = _next_sequence_nr()
         rng_before = None if self.fake else _rng_states()
         seeded = _SeededOps()
         recorder = _SavedRecorder(self.stored_keys)
@@ -339,7 +340,7 @@ class _ProfilingInterpreter(fx.Interpreter):
         if n.op == "call_module":
             mod = self.module.get_submodule(n.target)
             return {self.param_names[_storage_key(p)]: p for p in mod.parameters() if p.requires_grad}
-        return {self.param_names[_storage_key(t)]: t for t in _params_reached(out, before)
+        return {self.param_names[_storage_key(t)]: t for t in _params_reached(out, before, self.sequence_start)
                 if _storage_key(t) in self.param_names}
 
 
@@ -409,10 +410,13 @@ _ALIAS_GRAD_FNS = (
 )
 
 
-def _params_reached(out, boundary) -> list[torch.Tensor]:
+def _params_reached(out, boundary, start: int | None = None) -> list[torch.Tensor]:
     """The leaf tensors whose gradient the autograd nodes that made ``out`` accumulate: the graph is
     walked from ``out``'s ``grad_fn``s and not into ``boundary``, the inputs' ``grad_fn``s before
-    the call (earlier nodes'; taken before it, as an in-place call replaces its input's)."""
+    the call (earlier nodes'; taken before it, as an in-place call replaces its input's), nor into
+    nodes numbered below ``start`` (:func:`_next_sequence_nr` before the call): an in-place write
+    into a view (Funnel's ``mul_`` on a slice) reaches the history of the view's base, and every
+    parameter before it was counted as its own (+18.8% on the plain peak)."""
     stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
     seen, leaves = set(), []
     while stack:
@@ -423,8 +427,17 @@ def _params_reached(out, boundary) -> list[torch.Tensor]:
         leaf = getattr(fn, "variable", None)  # an AccumulateGrad
         if leaf is not None:
             leaves.append(leaf)
+        elif start is not None and fn._sequence_nr() < start:
+            continue
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number autograd gives the next node it creates on this thread: the nodes a
+    call creates are numbered from it on, those that existed before below it."""
+    with torch.enable_grad():
+        return torch.empty((), requires_grad=True).view(()).grad_fn._sequence_nr() + 1
 
 
 def _grad_alias(out, args, before=frozenset()) -> bool:
