@@ -478,7 +478,7 @@ def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules,
     """``(graph module, its positional inputs, plain_extra_bytes)`` for ``model`` called with
     ``example_inputs``; the last is ``None`` for a traced model (see :func:`_plain_peak`)."""
     inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
-    gm = _traced(model, leaf_modules, api, can_capture=True)
+    gm = _traced(model, leaf_modules, api, can_capture=True, example_inputs=example_inputs)
     if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
         args, kwargs = _example_call(example_inputs)
         captured = capture_call(model, args, kwargs)
@@ -527,8 +527,11 @@ def plan(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "aut
                    leaf_modules=leaf_modules, api="plan", **options).plan
 
 
-def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool) -> fx.GraphModule | None:
-    """``model`` traced with torch.fx, or ``None`` for a model captured per input signature with
+def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
+            example_inputs=None) -> fx.GraphModule | None:
+    """``model`` traced with torch.fx (the parameters of its forward that default to ``None`` and
+    that ``example_inputs`` leave out traced as ``None``: :func:`_none_defaults`), or ``None`` for
+    a model captured per input signature with
     torch.export (:mod:`fxremat.passes.capture`): one whose forward takes ``*args``, as the
     decorated forwards of Hugging Face models do, which torch.fx cannot make placeholders for, or,
     where ``can_capture`` (example inputs are captured at once, so a failure still raises at the
@@ -547,7 +550,9 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool) -
     with _stage("tracing", type(model).__name__), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            traced = trace(model, leaf_modules=leaf_modules)
+            none = _none_defaults(model, example_inputs)
+            traced = trace(model, leaf_modules=leaf_modules, concrete_args=dict.fromkeys(none) or None)
+            traced.meta[_NONE_ARGS] = none
         except TraceError as exc:
             if exc.qualified_name or leaf_modules or not can_capture:
                 _warn_again(said)
@@ -562,6 +567,26 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool) -
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_NONE_ARGS = "fxremat_none_args"  # a traced GraphModule's: the forward's parameters traced as None
+
+
+def _none_defaults(model: torch.nn.Module, example_inputs) -> tuple[str, ...]:
+    """The parameters of ``model.forward`` that default to ``None`` and that ``example_inputs``
+    leave out (none without example inputs): traced as ``None``, so that ``if mask is not
+    None:`` takes the branch the calls take (traced as an input, it took the other one, and the
+    first call ran ``mask.view(...)`` on ``None``: timm's Hiera). A call that passes one is
+    refused by :meth:`RematModule._bind`."""
+    if example_inputs is None:
+        return ()
+    args, kwargs = _example_call(example_inputs)
+    signature = inspect.signature(model.forward)
+    try:
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the call itself is wrong: the trace or the first call says so
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in signature.parameters.items()
+                 if p.kind in kinds and p.default is None and name not in given)
 
 
 def _warn_again(said) -> None:
@@ -662,7 +687,8 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                       "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
                       "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
     with _training_mode(model):
-        traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None)
+        traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None,
+                         example_inputs=example_inputs)
     remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
     if example_inputs is not None:
         args, kwargs = _example_call(example_inputs)
@@ -1032,7 +1058,9 @@ class _State:
         hooks or the traced code changed."""
         if traced is None and self.traced is not None:  # (a model captured per call has no trace)
             with _training_mode(self.model):
-                traced = trace(self.model, leaf_modules=self.leaf_modules)
+                none = self.traced.meta.get(_NONE_ARGS, ())
+                traced = trace(self.model, leaf_modules=self.leaf_modules, concrete_args=dict.fromkeys(none) or None)
+                traced.meta[_NONE_ARGS] = none
         self.traced = traced
         self.hooks = HookWatch(self.model)
         self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
@@ -1309,6 +1337,13 @@ class RematModule(torch.nn.Module):
         if not kwargs and len(args) == self._remat.positional:
             return tuple(args)
         bound = self._remat.signature.bind(*args, **kwargs)
+        for name in self._remat.traced.meta.get(_NONE_ARGS, ()):
+            if bound.arguments.get(name) is not None:
+                model = type(self._remat.model).__name__
+                raise ValueError(
+                    f"fxremat.RematModule: {model}.forward was traced with {name}=None, its default (the "
+                    f"example_inputs given to fxremat.compile left it out), and this call passes {name}; pass "
+                    f"{name} in example_inputs too (a dict of keyword inputs) to trace it as an input")
         bound.apply_defaults()
         inputs = []
         for name, value in bound.arguments.items():

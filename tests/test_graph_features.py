@@ -623,3 +623,35 @@ def test_a_view_is_taken_after_the_readers_of_its_base_that_eager_ran_first(budg
     for m in (plain, compiled):
         m(x).sum().backward()
     assert_same_state(plain, compiled)
+
+
+class _OptionalMask(nn.Module):
+    """timm's Hiera: ``forward(x, mask=None)`` with ``if mask is not None:``."""
+
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            x = x * mask.view(x.shape[0], 1)
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return x
+
+
+def test_a_parameter_defaulting_to_none_is_traced_as_the_example_inputs_give_it():
+    """Traced as an input, ``mask`` was not ``None`` to the trace: the graph took the masked branch
+    and the first call ran ``mask.view(...)`` on ``None``."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(32, 64), torch.rand(32)
+    plain, model = pair(_OptionalMask())
+    compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert any(s.recomputed for s in compiled.plan.segments)
+    for m in (plain, compiled):
+        m(x).pow(2).mean().backward()
+    assert_same_state(plain, compiled)
+    with pytest.raises(ValueError, match=r"traced with mask=None, its default .*pass mask in example_inputs"):
+        compiled(x, mask)
+    masked = fxremat.compile(copy.deepcopy(plain), "min", example_inputs={"x": x, "mask": mask}, cost_model="flops")
+    assert torch.equal(masked(x, mask=mask), plain(x, mask))
