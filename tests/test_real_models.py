@@ -125,6 +125,38 @@ def _hf_vit(size: int = 32):
     return build, inputs
 
 
+def _image_inputs(size: int, labels):
+    """``pixel_values`` of a batch of 2 and ``labels(size)``."""
+    def inputs():
+        return (), {"pixel_values": torch.randn(2, 3, size, size), "labels": labels(size)}
+
+    return inputs
+
+
+def _hf_image(config_name: str, model_name: str, *, size: int, labels, **config):
+    """A Hugging Face vision model from a tiny config."""
+    def build():
+        import transformers
+
+        return getattr(transformers, model_name)(getattr(transformers, config_name)(**config))
+
+    return build, _image_inputs(size, labels)
+
+
+def _hf_upernet(size: int = 64):
+    """UperNet on a ConvNeXt backbone with its auxiliary head: ``loss += 0.4 * auxiliary_loss``."""
+    def build():
+        import transformers
+
+        backbone = transformers.ConvNextConfig(num_stages=4, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1],
+                                               out_features=["stage1", "stage2", "stage3", "stage4"])
+        cfg = transformers.UperNetConfig(backbone_config=backbone, hidden_size=32, auxiliary_in_channels=32,
+                                         auxiliary_channels=16, num_labels=4, use_auxiliary_head=True)
+        return transformers.UperNetForSemanticSegmentation(cfg)
+
+    return build, _image_inputs(size, lambda s: torch.randint(0, 4, (2, s, s)))
+
+
 _GPT2 = dict(n_layer=2, n_embd=64, n_head=4, n_positions=256)
 _BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
              max_position_embeddings=256)
@@ -156,6 +188,10 @@ def _cases() -> list[Case]:
     add("deberta-v2-mlm", "transformers", _hf_lm("DebertaV2Config", "DebertaV2ForMaskedLM", **_BERT))  # loss built in forward
     add("bloom", "transformers", _hf_lm("BloomConfig", "BloomForCausalLM", hidden_size=64, n_layer=2, n_head=4))  # GELU as an autograd.Function
     add("vit-hf", "transformers", _hf_vit(), quick=True)
+    add("convnextv2-hf", "transformers", _hf_image(  # GRN: parameters broadcast in adds
+        "ConvNextV2Config", "ConvNextV2ForImageClassification", size=32, labels=lambda s: torch.randint(0, 10, (2,)),
+        num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, drop_path_rate=0.1))
+    add("upernet-convnext", "transformers", _hf_upernet())  # the loss added to in place
     add("gpt2-seq128", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", seq=128, **_GPT2),
         long_sequence=True)
     add("llama-seq128", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", seq=128, **_LLAMA),
@@ -171,6 +207,8 @@ def _cases() -> list[Case]:
     add("swin_tiny", "timm", _timm("swin_tiny_patch4_window7_224", size=224))
     add("nfnet_l0", "timm", _timm("nfnet_l0"))  # weight-standardized convolutions: views of parameters
     add("crossvit_tiny", "timm", _timm("crossvit_tiny_240", size=240))  # a shape check in the top-level forward
+    add("coatnet_nano_rw", "timm", _timm("coatnet_nano_rw_224", img_size=64))  # a view read after its base's readers
+    add("hiera_tiny", "timm", _timm("hiera_tiny_224", img_size=64))  # forward(x, mask=None)
     add("lraspp_mobilenet_v3", "torchvision", _segmentation("lraspp_mobilenet_v3_large"), quick=True)
     add("deeplabv3_mobilenet_v3", "torchvision", _segmentation("deeplabv3_mobilenet_v3_large"))
     add("fcn_resnet50", "torchvision", _segmentation("fcn_resnet50"))
