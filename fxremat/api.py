@@ -550,9 +550,12 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
     with _stage("tracing", type(model).__name__), warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
-            none = _none_defaults(model, example_inputs)
-            traced = trace(model, leaf_modules=leaf_modules, concrete_args=dict.fromkeys(none) or None)
-            traced.meta[_NONE_ARGS] = none
+            traced = trace(model, leaf_modules=leaf_modules)
+            none = tuple(name for name in _none_defaults(model, example_inputs)
+                         if any(n.op == "placeholder" and n.target == name and n.users for n in traced.graph.nodes))
+            if none:  # the graph reads them: traced again with them None, as the calls give them
+                traced = trace(model, leaf_modules=leaf_modules, concrete_args=dict.fromkeys(none))
+                traced.meta[_NONE_ARGS] = none
         except TraceError as exc:
             if exc.qualified_name or leaf_modules or not can_capture:
                 _warn_again(said)
@@ -572,10 +575,12 @@ _NONE_ARGS = "fxremat_none_args"  # a traced GraphModule's: the forward's parame
 
 def _none_defaults(model: torch.nn.Module, example_inputs) -> tuple[str, ...]:
     """The parameters of ``model.forward`` that default to ``None`` and that ``example_inputs``
-    leave out (none without example inputs): traced as ``None``, so that ``if mask is not
-    None:`` takes the branch the calls take (traced as an input, it took the other one, and the
-    first call ran ``mask.view(...)`` on ``None``: timm's Hiera). A call that passes one is
-    refused by :meth:`RematModule._bind`."""
+    leave out (none without example inputs). Where the traced graph reads one, it is traced again
+    as ``None``, so that ``if mask is not None:`` takes the branch the calls take (traced as an
+    input, it took the other one, and the first call ran ``mask.view(...)`` on ``None``: timm's
+    Hiera); only then: traced as ``None`` everywhere, Hugging Face forwards got further in torch.fx
+    and made graphs that ran wrong (UperNet handed its decode head ``None``) instead of failing
+    and being captured. A call that passes one is refused by :meth:`RematModule._bind`."""
     if example_inputs is None:
         return ()
     args, kwargs = _example_call(example_inputs)
