@@ -387,6 +387,18 @@ class CustomFunctions(nn.Module):
         return x
 
 
+def _two_sgd_steps_alike(plain, compiled, x):
+    """Two SGD steps of each; parameters, gradients and buffers bitwise equal after each."""
+    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, opt in ((plain, opt_a), (compiled, opt_b)):
+            m(x).pow(2).mean().backward()
+            opt.step()
+        assert_same_state(plain, compiled)
+        for opt in (opt_a, opt_b):
+            opt.zero_grad(set_to_none=False)
+
+
 @pytest.mark.parametrize("budget", [0.7, "min"])
 def test_custom_autograd_functions_keep_their_backward(budget):
     """A torch.autograd.Function is one call of its ``apply`` in the emitted code, run (and
@@ -400,14 +412,7 @@ def test_custom_autograd_functions_keep_their_backward(budget):
     assert "_tripled_apply(" in code and "_straightthrough_apply(" in code
     recomputed = [s for s in compiled.plan.segments if s.recomputed]
     assert any("_straightthrough" in n or "_tripled" in n for s in recomputed for n in s.nodes)
-    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
-    for _ in range(2):
-        for m, opt in ((plain, opt_a), (compiled, opt_b)):
-            m(x).pow(2).mean().backward()
-            opt.step()
-        assert_same_state(plain, compiled)
-        for opt in (opt_a, opt_b):
-            opt.zero_grad(set_to_none=False)
+    _two_sgd_steps_alike(plain, compiled, x)
 
 
 class _CapturedFunctions(CustomFunctions):
@@ -429,14 +434,7 @@ def test_a_captured_model_keeps_its_custom_autograd_functions_backward(budget):
     compiled = fxremat.compile(model, budget, example_inputs=(x,))
     assert "_tripled_apply(" in compiled.code and "_straightthrough_apply(" in compiled.code
     assert any("_straightthrough" in n for s in compiled.plan.segments if s.recomputed for n in s.nodes)
-    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
-    for _ in range(2):
-        for m, opt in ((plain, opt_a), (compiled, opt_b)):
-            m(x).pow(2).mean().backward()
-            opt.step()
-        assert_same_state(plain, compiled)
-        for opt in (opt_a, opt_b):
-            opt.zero_grad(set_to_none=False)
+    _two_sgd_steps_alike(plain, compiled, x)
 
 
 class _Described(torch.autograd.Function):
