@@ -208,6 +208,7 @@ def _cases() -> list[Case]:
     add("nfnet_l0", "timm", _timm("nfnet_l0"))  # weight-standardized convolutions: views of parameters
     add("crossvit_tiny", "timm", _timm("crossvit_tiny_240", size=240))  # a shape check in the top-level forward
     add("coatnet_nano_rw", "timm", _timm("coatnet_nano_rw_224", img_size=64))  # a view read after its base's readers
+    add("gcvit_xxtiny", "timm", _timm("gcvit_xxtiny", img_size=64))  # the same with a view of a view
     add("hiera_tiny", "timm", _timm("hiera_tiny_224", img_size=64))  # forward(x, mask=None)
     add("lraspp_mobilenet_v3", "torchvision", _segmentation("lraspp_mobilenet_v3_large"), quick=True)
     add("deeplabv3_mobilenet_v3", "torchvision", _segmentation("deeplabv3_mobilenet_v3_large"))

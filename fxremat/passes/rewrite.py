@@ -116,8 +116,8 @@ def _views_in_order(gm: fx.GraphModule, segments, recomputed, inner, views):
     last = len(segments)  # the graph's output
     for node in sorted((by_name[v] for v in views if v in where), key=position.get):
         bases = [a for a in node.all_input_nodes if a.op != "get_attr"]
-        if len(bases) != 1 or bases[0].name in views and where.get(bases[0].name) == where[node.name]:
-            continue  # not a view of a value, or a view of a view (moved with it)
+        if len(bases) != 1:  # not a view of one value
+            continue
         before = [u for u in bases[0].users if position[u] < position[node] and u.name in where]
         if not before:
             continue
