@@ -459,7 +459,7 @@ class _CapturedDescribed(nn.Module):
 
 
 def test_a_captured_function_returning_other_values_is_refused():
-    with pytest.raises(fxremat.TraceError, match=r"_Described returns dict .*return a tensor or a tuple of tensors"):
+    with pytest.raises(fxremat.TraceError, match=r"_Described returns a dict, not a tensor or a flat tuple .*return a tensor or a tuple of tensors"):
         fxremat.compile(_CapturedDescribed(), "min", example_inputs=(torch.randn(4, 8),))
 
 

@@ -195,15 +195,15 @@ def _functions_kept_whole(model: torch.nn.Module, gm: fx.GraphModule, calls: dic
         if not single and not (entry.out_spec.type in (tuple, list) and entry.out_spec.num_children == len(entry.out_leaves)
                                and all(isinstance(x, torch.Tensor) for x in entry.out_leaves)):
             raise TraceError("", RuntimeError(
-                f"the custom torch.autograd.Function {entry.cls.__module__}.{entry.cls.__qualname__} returns "
-                f"{entry.out_spec.type.__name__ if entry.out_spec.type else 'a structure'} with values that are not "
-                "tensors, which fxremat cannot keep whole in a torch.export capture"),
+                f"the custom torch.autograd.Function {entry.cls.__module__}.{entry.cls.__qualname__} returns a "
+                f"{entry.out_spec.type.__name__}, not a tensor or a flat tuple of tensors, which fxremat cannot keep "
+                "whole in a torch.export capture"),
                 module_class=type(model).__name__, hint=(
                     "return a tensor or a tuple of tensors from its forward, or train this model without fxremat"))
         with graph.inserting_before(node):
             call = function_call(graph, entry.cls, args, kwargs)
-        for user in list(node.users):  # the op's outputs are a list: a single tensor is the call itself
-            if single:
+        if single:  # the op's outputs are a list, read by getitem: a single tensor is the call itself
+            for user in list(node.users):
                 user.replace_all_uses_with(call)
                 graph.erase_node(user)
         node.replace_all_uses_with(call)
