@@ -145,6 +145,41 @@ def test_inplace_ops_stay_in_place_and_their_writes_are_not_split():
     assert_same_state(plain, compiled)
 
 
+class MaskedThroughSlice(nn.Module):
+    """``att *= mask`` on a slice of ``r``, then ``r`` read: eager Python writes ``r`` through the
+    slice (``Tensor.__imul__``). A torch.fx proxy has no ``__imul__``, so Python recorded
+    ``att = att * mask`` and the later read of ``r`` got the value before the write. Also sizes
+    computed with ``*=`` from a size another name still holds."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.r, self.s, self.o = nn.Linear(d, 2 * d), nn.Linear(2 * d, 2 * d), nn.Linear(2 * d, 4)
+
+    def forward(self, x, mask):
+        n = x.size(0)
+        rows = n
+        rows *= 2  # a new number: n keeps its value
+        r = self.s(torch.tanh(self.r(x)))
+        att = r[..., : mask.shape[-1]]
+        att *= mask
+        r += 1  # in place on a value read by nothing else
+        return self.o(torch.tanh(r)).reshape(n, -1) + r.new_zeros(rows, 4)[:n]
+
+
+@pytest.mark.parametrize("budget", [1.0, "min"])
+def test_an_augmented_assignment_writes_in_place_as_eager_python_does(budget):
+    torch.manual_seed(0)
+    plain, model = pair(MaskedThroughSlice())
+    x, mask = torch.randn(4, 16), (torch.rand(16) > 0.5).float()
+    compiled = fxremat.compile(model, budget, example_inputs=(x, mask), cost_model="flops")
+    assert "imul(" in compiled.code and "iadd(" in compiled.code
+    for m in (plain, compiled):
+        out = m(x, mask)
+        out.square().sum().backward()
+    assert torch.equal(plain(x, mask), compiled(x, mask))
+    assert_same_state(plain, compiled)
+
+
 class DataDependent(nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # data-dependent Python control flow: torch.fx cannot trace this

@@ -114,6 +114,31 @@ class ScaledSlice(nn.Module):
         return self.c(v)
 
 
+class MaskedScores(nn.Module):
+    """Attention-like scores masked in place through a slice, and read through the slice after
+    (Funnel's ``positional_attn[..., :context_len]`` then ``positional_attn *= cls_mask``): with
+    ``mul_`` whose result is dropped, or with ``*=``. The write's backward (``CopySlices``) makes
+    gradients the size of the slice's base; it went uncounted (plain -12.5%, "min" 1.33x)."""
+
+    def __init__(self, d=64, blocks=4, augmented=False):
+        super().__init__()
+        self.augmented = augmented
+        self.r = nn.ModuleList(nn.Linear(d, 2 * d) for _ in range(blocks))
+        self.o = nn.ModuleList(nn.Linear(d, d) for _ in range(blocks))
+        self.register_buffer("mask", (torch.arange(d) % 5 != 0).float())
+
+    def forward(self, x):
+        b, s, d = x.shape
+        for r, o in zip(self.r, self.o):
+            att = r(x).reshape(b, s, 2 * d)[..., :d]
+            if self.augmented:
+                att *= self.mask
+            else:
+                att.mul_(self.mask)
+            x = o(att.softmax(-1) * x) + x
+        return x
+
+
 def _mlp(layer, width=512, depth=4):
     torch.manual_seed(0)
     mods = []
@@ -246,7 +271,10 @@ class Twice(nn.Module):
     (lambda: _mlp(TransposedLinear), torch.randn(4, 16, 512)),
     (_ws_net, torch.randn(2, 3, 16, 16)),
     (lambda: nn.Sequential(*[GRN() for _ in range(3)]), torch.randn(2, 8, 8, 64)),
-], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized", "broadcast-bias"])
+    (MaskedScores, torch.randn(8, 128, 64)),
+    (lambda: MaskedScores(augmented=True), torch.randn(8, 128, 64)),
+], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized", "broadcast-bias",
+        "write-into-slice", "augmented-write-into-slice"])
 def test_plain_peak_predicted_within_two_percent(make, x):
     torch.manual_seed(0)
     model = make()

@@ -58,7 +58,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from .state import StateWrites
-from .trace import CALL_OPS, is_torch_hook, module_of
+from .trace import CALL_OPS, is_torch_hook, module_of, written_inputs
 
 __all__ = ["NodeCost", "GraphCosts", "profile", "user_hooks_disabled", "COST_MODELS"]
 
@@ -283,10 +283,18 @@ class _ProfilingInterpreter(fx.Interpreter):
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
             cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
+        elif (view := self._written_view(n)) is not None:  # but not a write into a view
+            cost = replace(cost, bwd_transient_bytes=self._backward_transient(n, view))
         self.costs.append(cost)
         return out
 
-    def _backward_transient(self, n: fx.Node) -> int:
+    def _written_view(self, n: fx.Node) -> torch.Tensor | None:
+        """The view that ``n`` writes in place, if it writes one (``attn[..., :k] *= mask``)."""
+        views = [t for t in _tensors([self.env.get(w) for w in written_inputs(self.module, n)])
+                 if t.requires_grad and t._is_view()]
+        return views[0] if len(views) == 1 else None
+
+    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> int:
         """Peak bytes of the node's backward alone beyond the gradients it hands its inputs, run as
         a training step runs it: the forward again on detached inputs and on stand-ins for its
         parameters (:func:`_stand_in`: their ``.grad`` exists, so each parameter's gradient is
@@ -295,11 +303,27 @@ class _ProfilingInterpreter(fx.Interpreter):
         from gradients that only autograd holds (:class:`_Seed`), so that they die when the
         node's backward lets them go. The incoming gradients and the inputs' gradients (taken as
         they reach the inputs) are subtracted; the model's parameters and ``.grad`` are not
-        touched."""
+        touched.
+
+        A write into a view (``view``: the written input) is run on that view of a copy of its
+        base. Its backward then runs as in the step: the view's gradient is spread over a
+        base-sized one, which the in-place op's autograd node (``CopySlices``) copies before it
+        runs the op's own backward on a slice of the copy; it hands a base-sized gradient on (1.33x
+        the budget where that was not counted). Here the simulator hands the written input a
+        gradient of the view's size, so the transient is what the base's gradient costs beyond
+        that."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         leaves, stand_ins, arrived, made = [], {}, [], []
+        written = None
+        if view is not None:
+            base = view._base.detach().requires_grad_()
+            leaves.append(base)
+            copy = _Capture.apply(base, arrived).clone()
+            written = copy.as_strided(view.size(), view.stride(), view.storage_offset() - view._base.storage_offset())
 
         def detach(t):
+            if t is view:
+                return written
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
                 return t
             if t.is_leaf and _storage_key(t) in self.param_keys:  # a parameter, not a view of one
@@ -328,6 +352,8 @@ class _ProfilingInterpreter(fx.Interpreter):
         incoming = sum(t.numel() * t.element_size() for t in outs)
         views_of_incoming = {ref()._cdata for ref in made if ref() is not None}  # alive through `arrived`
         kept = sum(tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming))
+        if view is not None:
+            kept -= (view._base.numel() - view.numel()) * view.element_size()
         return max(0, tracker.peak_bytes - incoming - kept, allocator.peak_bytes - incoming - kept)
 
     def _node_params(self, n: fx.Node, out, before) -> dict[str, torch.Tensor]:

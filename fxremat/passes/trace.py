@@ -79,8 +79,31 @@ _INPLACE_METHODS = frozenset({
     "clamp_max_", "neg_", "exp_", "sqrt_", "pow_", "masked_fill_", "hardtanh_", "abs_",
 })
 _INPLACE_FUNCTIONS = frozenset({torch.relu_, torch.sigmoid_, torch.tanh_})
-_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
-                                operator.ior})
+_AUGMENTED = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand", "ior", "ixor",
+              "ilshift", "irshift")
+
+
+def _augmented(name: str):
+    """The call an augmented assignment (``x *= y``) on a traced value records: ``operator.imul``
+    applied as a function, which writes a tensor in place, as eager Python does, and gives a
+    number a new value without touching the names bound to the old one. (``operator.imul`` as the
+    node's target would be emitted as the statement ``x *= y``, which rebinds the name ``x`` that
+    later nodes may read as the old number.)"""
+    op = getattr(operator, name)
+
+    def augmented(target, value):
+        return op(target, value)
+
+    augmented.__name__ = augmented.__qualname__ = name
+    augmented.__module__ = __name__
+    augmented.__doc__ = f"``operator.{name}(target, value)``: an augmented assignment of the traced forward."
+    return augmented
+
+
+# Module attributes, so that a pickled GraphModule finds them again by name.
+globals().update({name: _augmented(name) for name in _AUGMENTED})
+_INPLACE_OPERATORS = frozenset([operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.iand,
+                                operator.ior] + [globals()[name] for name in _AUGMENTED])
 
 
 class _LeafTracer(fx.Tracer):
@@ -308,7 +331,11 @@ class _PythonValueError(fx.proxy.TraceError, TypeError):
 
 
 class _Proxy(fx.Proxy):
-    """A ``torch.fx.Proxy`` whose conversions to Python numbers raise :class:`_PythonValueError`."""
+    """A ``torch.fx.Proxy`` whose conversions to Python numbers raise :class:`_PythonValueError`,
+    and which records augmented assignments (``x *= y``) as such. A plain ``torch.fx.Proxy`` has
+    no ``__imul__``, so Python records ``x = x * y``: out of place, where eager PyTorch writes
+    ``x`` in place, and through it the tensor ``x`` is a view of (Funnel's ``attn *= mask`` on a
+    slice): a later read of that tensor got the value before the write."""
 
     def __float__(self):
         raise _PythonValueError(self.tracer, self.node, "float")
@@ -318,6 +345,12 @@ class _Proxy(fx.Proxy):
 
     def __index__(self):
         raise _PythonValueError(self.tracer, self.node, "int")
+
+
+for _name in _AUGMENTED:
+    setattr(_Proxy, f"__{_name}__", lambda self, other, _name=_name: self.tracer.create_proxy(
+        "call_function", globals()[_name], (self, other), {}))
+del _name
 
 
 _SHAPE_METHODS = frozenset({"size", "dim", "numel", "ndimension"})
