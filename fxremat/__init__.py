@@ -7,8 +7,9 @@
 from .api import RematModule, compile, load_plan, plan
 from .errors import InfeasibleBudgetError, PlanBudgetError, TraceError
 from .measure import measure_peak
+from .identity import PlanMismatchError
 from .records import Plan, Segment
 
 __all__ = ["compile", "plan", "RematModule", "Plan", "Segment", "measure_peak", "InfeasibleBudgetError", "PlanBudgetError", "TraceError",
-           "load_plan"]
+           "PlanMismatchError", "load_plan"]
 __version__ = "0.1.0"

@@ -36,7 +36,7 @@ from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, s
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import CALL_OPS, HookWatch, module_of, output_rebuilder, trace, varargs_reason
+from .passes.trace import CALL_OPS, HookWatch, SettingsWatch, module_of, output_rebuilder, trace, varargs_reason
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -442,7 +442,13 @@ def _wrappers() -> list[tuple[type, str, str]]:
 
 
 def _check_unwrapped(model: torch.nn.Module, api: str) -> None:
-    """Refuse a model already wrapped by DDP, DataParallel, FSDP or torch.compile."""
+    """Refuse a model already wrapped by DDP, DataParallel, FSDP or torch.compile, or compiled by
+    fxremat already (compiled again, it was captured whole and nested, silently)."""
+    if isinstance(model, RematModule):
+        raise TypeError(
+            f"fxremat.{api}: got a RematModule ({type(model._remat.model).__name__} compiled by "
+            f"fxremat.compile already); pass the model it was compiled from to plan it for another budget "
+            f"(the two share their parameters), or use the RematModule as it is")
     for cls, inner, wrap in _wrappers():
         if isinstance(model, cls):
             kind = type(model)
@@ -769,7 +775,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
     if not _fits(config):
         return
     if state.traced is None:  # captured per call (torch.export): the entry holds the capture
-        key = ("call",) + _signature((tuple(args), dict(kwargs)))
+        key = state.key(("call",), (tuple(args), dict(kwargs)))
         captured = state.cache[key][3]
         gm, inputs, extra = captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
         made = {_segmentation(state.cache[key][0].segments): state.cache[key][1:3]}
@@ -787,7 +793,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
                 return _lowered(gm, inputs, config)
     else:
         inputs = remat._bind(args, kwargs)
-        key, gm, extra = _signature(inputs), state.traced, None
+        key, gm, extra = state.key((), inputs), state.traced, None
 
         def install(the_plan):
             state.install(key, the_plan)
@@ -1032,6 +1038,10 @@ class _State:
         self.config = config
         self.leaf_modules = tuple(leaf_modules)
         self.hooks = HookWatch(model)
+        self.settings = SettingsWatch(model, traced)
+        self.deleted: str | None = None  # an attribute deleted since the last training step
+        self.params = _parameter_slots(model)
+        self.trained: dict = {}  # cache key -> which parameters required gradients when it was planned
         self.signature = inspect.signature(model.forward)
         # forward's parameters when all are positional without defaults: a call with that many
         # arguments and no keywords binds as it is (Signature.bind costs ~45 µs a step, cold)
@@ -1056,18 +1066,57 @@ class _State:
         type again (a ``ModelOutput``: :func:`~fxremat.passes.trace.output_rebuilder`); ``finish``:
         the same, run without Dynamo (a training call under torch.compile)."""
         self.rebuild = output_rebuilder(traced) if traced is not None else None
+        # forward's parameters that default to None, traced as inputs and read by the graph's own
+        # code (a leaf module given one runs as written, None included)
+        none = traced.meta.get(_NONE_ARGS, ()) if traced is not None else ()
+        self.read_optional = tuple(
+            n.target for n in (traced.graph.nodes if traced is not None else ()) if n.op == "placeholder"
+            and any(u.op != "call_module" for u in n.users) and n.target not in none
+            and n.target in self.signature.parameters and self.signature.parameters[n.target].default is None)
         self.finish = _same if self.rebuild is None else _without_dynamo(self.rebuild)
+
+    def key(self, kind: tuple, inputs: tuple) -> tuple:
+        """The plan-cache key of ``inputs``: their :func:`_signature`."""
+        return kind + _signature(inputs)
+
+    def entry(self, key: tuple):
+        """The cache entry of ``key``, unless a parameter that was frozen when it was planned
+        requires gradients now (unfreezing a backbone after a plan made with it frozen trained at
+        1.8x the budget: its gradients were not in the plan); then it is dropped, to be planned
+        again. Freezing more keeps the plan: it holds fewer gradients than planned."""
+        entry = self.cache.get(key)
+        if entry is None:
+            return None
+        trains = [d[name].requires_grad for d, name in self.params]
+        if trains != self.trained.get(key, trains) and any(
+                now and not then for now, then in zip(trains, self.trained[key])):
+            log.info("fxremat: parameters of %s that were frozen when it was planned train now; planning again",
+                     type(self.model).__name__)
+            del self.cache[key]
+            return None
+        return entry
+
+    def put(self, key: tuple, entry) -> None:
+        self.cache[key] = entry
+        self.trained[key] = [d[name].requires_grad for d, name in self.params]
+
+    def trace_again(self) -> fx.GraphModule:
+        """The model traced as it was first (the parameters defaulting to ``None`` as ``None``)."""
+        with _training_mode(self.model):
+            none = self.traced.meta.get(_NONE_ARGS, ())
+            traced = trace(self.model, leaf_modules=self.leaf_modules, concrete_args=dict.fromkeys(none) or None)
+            traced.meta[_NONE_ARGS] = none
+        return traced
 
     def retrace(self, traced: fx.GraphModule | None = None) -> None:
         """Trace again (or take ``traced``, a new trace) and forget every plan: the submodules with
         hooks or the traced code changed."""
         if traced is None and self.traced is not None:  # (a model captured per call has no trace)
-            with _training_mode(self.model):
-                none = self.traced.meta.get(_NONE_ARGS, ())
-                traced = trace(self.model, leaf_modules=self.leaf_modules, concrete_args=dict.fromkeys(none) or None)
-                traced.meta[_NONE_ARGS] = none
+            traced = self.trace_again()
         self.traced = traced
         self.hooks = HookWatch(self.model)
+        self.settings = SettingsWatch(self.model, traced)
+        self.params = _parameter_slots(self.model)
         self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
         self._rebuilding(self.traced)
         for store in (self.cache, self.emitted, self.timed, self.planned):
@@ -1141,8 +1190,15 @@ def _called_modules(gm: fx.GraphModule) -> dict:
     return {n.target: id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
 
 
+def _parameter_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
+    """Where each parameter is held (``(module._parameters, name)``): read through them, a
+    replaced parameter (``load_state_dict(assign=True)``, FSDP2) is the new one."""
+    return [(m._parameters, name) for m in model.modules() for name, p in m._parameters.items() if p is not None]
+
+
 def _retrace_after_change(remat: "RematModule", what: str) -> None:
-    """After an attribute of the model was set or deleted through ``remat``: trace the model
+    """After an attribute of the model was set or deleted through ``remat``, or a setting the
+    trace baked in changed (:class:`~fxremat.passes.trace.SettingsWatch`): trace the model
     again; when its graph or the modules it calls changed (torch.fx bakes Python values such as
     ``self.scale = 2.0`` into the graph), use the new graph and drop the plans, which are made
     again on the next training step."""
@@ -1150,9 +1206,9 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
     if state.traced is None:  # captured per call: capture again on the next training step
         state.retrace()
         return
-    with _training_mode(state.model):
-        new = trace(state.model, leaf_modules=state.leaf_modules)
+    new = state.trace_again()
     if new.code == state.traced.code and _called_modules(new) == _called_modules(state.traced):
+        state.settings.refresh()
         return
     log.info("fxremat: %s on %s changed the traced graph; planning again on the next training step",
              what, type(state.model).__name__)
@@ -1330,7 +1386,9 @@ class RematModule(torch.nn.Module):
             super().__delattr__(name)
             return
         delattr(self._remat.model, name)
-        _retrace_after_change(self, f"deleting {name!r}")
+        # traced again at the next training step: the forward may read the name, and the usual
+        # next line sets it again (``del remat.head; remat.head = new_head``)
+        self._remat.deleted = f"deleting {name!r}"
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(dir(self._remat.model)))
@@ -1341,7 +1399,10 @@ class RematModule(torch.nn.Module):
         ``**kwargs`` are refused, since the graph was traced without them."""
         if not kwargs and len(args) == self._remat.positional:
             return tuple(args)
-        bound = self._remat.signature.bind(*args, **kwargs)
+        try:
+            bound = self._remat.signature.bind(*args, **kwargs)
+        except TypeError as exc:  # as eager's call would fail, naming the forward
+            raise TypeError(f"fxremat.RematModule: {type(self._remat.model).__name__}.forward() {exc}") from None
         for name in self._remat.traced.meta.get(_NONE_ARGS, ()):
             if bound.arguments.get(name) is not None:
                 model = type(self._remat.model).__name__
@@ -1350,6 +1411,15 @@ class RematModule(torch.nn.Module):
                     f"example_inputs given to fxremat.compile left it out), and this call passes {name}; pass "
                     f"{name} in example_inputs too (a dict of keyword inputs) to trace it as an input")
         bound.apply_defaults()
+        for name in self._remat.read_optional:
+            if bound.arguments.get(name, 0) is None:
+                model = type(self._remat.model).__name__
+                raise ValueError(
+                    f"fxremat.RematModule: {model}.forward was traced with a value for {name} (it defaults to "
+                    f"None) and reads it, and this call leaves it None, where the forward may take another "
+                    f"branch (`if {name} is not None:`) that the graph does not have; pass {name}, or compile "
+                    f"a second module for calls without it (example_inputs that leave {name} out trace it "
+                    f"as None)")
         inputs = []
         for name, value in bound.arguments.items():
             kind = bound.signature.parameters[name].kind
@@ -1371,8 +1441,8 @@ class RematModule(torch.nn.Module):
         """The cache entry ``(plan, emitted module, bindings)`` of ``inputs``' signature, planned on
         first sight; ``compiling``: the step runs under torch.compile (Dynamo traced the call)."""
         state = self._remat
-        key = _signature(inputs)
-        entry = state.cache.get(key)
+        key = state.key((), inputs)
+        entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()
             rebind(state.traced_bindings)
@@ -1382,7 +1452,7 @@ class RematModule(torch.nn.Module):
                      type(state.model).__name__, time.perf_counter() - start, entry[0].strategy,
                      " (segmentation reused)" if _REUSED in entry[0].notes else "")
             _warn_unfitted(state, key)
-            state.cache[key] = entry
+            state.put(key, entry)
             while len(state.cache) > _SIGNATURES_PER_PLAN * state.config.max_plans:
                 state.cache.popitem(last=False)
         state.cache.move_to_end(key)
@@ -1439,12 +1509,23 @@ class RematModule(torch.nn.Module):
     @_eager_between_graphs
     def _check_hooks(self) -> None:
         """Trace and plan again when hooks were added to or removed from submodules since the
-        trace: a submodule with hooks must be a leaf, called by the emitted graph."""
+        trace: a submodule with hooks must be a leaf, called by the emitted graph. Trace again,
+        and plan again where the graph changed, when a setting the trace baked in changed
+        (:class:`~fxremat.passes.trace.SettingsWatch`: ``block.drop_prob = 0.2``, ``block.eval()``,
+        a submodule replaced)."""
         state = self._remat
         if state.hooks.changed():
             log.info("fxremat: the submodules of %s with hooks changed; tracing and planning again",
                      type(state.model).__name__)
             state.retrace()
+            return
+        changed = state.settings.changed()
+        if changed is not None and changed[1] and state.deleted is None:
+            log.info("fxremat: %s on %s; planning again", changed[0], type(state.model).__name__)
+            state.retrace(state.traced)  # the same graph, measured again
+        elif changed is not None or state.deleted is not None:
+            what, state.deleted = changed[0] if changed else state.deleted, None
+            _retrace_after_change(self, what)
 
     def _compiled_forward(self, *args, **kwargs):
         if self._remat.traced is None:  # captured per call (torch.export)
@@ -1461,13 +1542,14 @@ class RematModule(torch.nn.Module):
         **kwargs)`` for a model captured per call: captured and planned on first sight of the
         call's signature."""
         state = self._remat
-        key = ("call",) + _signature((tuple(args), dict(kwargs)))
-        entry = state.cache.get(key)
+        key = state.key(("call",), (tuple(args), dict(kwargs)))
+        entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()
             with _training_mode(state.model):
                 with _stage("capturing", f"{type(state.model).__name__} with torch.export"):
                     captured = capture_call(state.model, args, kwargs)
+                state.settings.refresh()  # the capture ran the forward's Python
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))
                 the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
@@ -1477,7 +1559,7 @@ class RematModule(torch.nn.Module):
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
             _warn_unfitted(state, key[1:])
-            state.cache[key] = entry
+            state.put(key, entry)
             while len(state.cache) > state.config.max_plans:
                 state.cache.popitem(last=False)
         state.cache.move_to_end(key)

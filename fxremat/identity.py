@@ -72,11 +72,14 @@ def check_plan(plan: Plan, gm: fx.GraphModule, example_inputs, *, origin: str = 
             "plan again with fxremat.plan or the fxremat command line and save that plan"
         )
     if plan.graph_key != key:
-        shapes = ", ".join("x".join(map(str, s[0])) for s in _input_signature(example_inputs) if len(s) == 4)
+        shapes = ", ".join(f"{'x'.join(map(str, s[0])) or 'scalar'} {s[1].removeprefix('torch.')} {s[2]}"
+                           + (" requiring grad" if s[3] else "")
+                           for s in _input_signature(example_inputs) if len(s) == 4)
         raise PlanMismatchError(
             f"fxremat: {origin} was made for another graph or input signature (plan key "
             f"{plan.graph_key[:12]}, this model on inputs [{shapes}] has key {key[:12]}); plan this "
-            "model and input again (fxremat.plan(...).save(path)) and load that plan"
+            "model and input again (fxremat.plan(...).save(path)) and load that plan (a plan is for one "
+            "input signature: with a DataLoader whose last batch is smaller, pass drop_last=True)"
         )
 
 

@@ -6,6 +6,8 @@ just before its backward, with the RNG state (dropout masks; segments emitted wi
 draw none) and autocast state of the original forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
 named in the call (``restore=``, so they are part of the emitted code and travel with it through
 ``copy.deepcopy``), are restored after the recomputation: they are updated exactly once per step.
+Buffers it reads that the step mutates (``reads=``: a step counter, an EMA read back) hold the
+values of its forward while it is recomputed.
 
 :func:`attribute_bindings` and :func:`rebind` keep the ``get_attr`` values of GraphModules
 derived from a model (parameters and buffers used outside a submodule call, held by copies of
@@ -16,7 +18,9 @@ train the old tensors.
 
 from __future__ import annotations
 
-import contextlib
+
+import re
+import weakref
 
 import torch
 import torch.fx as fx
@@ -25,17 +29,88 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["recompute", "attribute_bindings", "rebind"]
 
 
-@contextlib.contextmanager
-def _restore_buffers(segment: torch.nn.Module, names: tuple[str, ...]):
-    buffers = [b for name in names for b in _named(segment, name)]
-    with torch.no_grad():
-        saved = [b.clone() for b in buffers]
-    try:
-        yield
-    finally:
+class _Snapshot:
+    """The forward's context of one checkpointed call: takes the values of the buffers the segment
+    reads (``reads``) as they are when its forward runs, and the parameters it read (the tensors
+    in its modules' parameter slots, with their versions, when its forward returns)."""
+
+    def __init__(self, segment: torch.nn.Module, buffers: list[torch.Tensor]):
+        self.segment = segment
+        self.buffers = buffers
+        self.values: list[torch.Tensor] = []
+        self.params: list[tuple[dict, str, torch.Tensor, int, str]] = []
+
+    def __enter__(self):
         with torch.no_grad():
-            for b, old in zip(buffers, saved):
-                b.copy_(old)
+            self.values = [b.clone() for b in self.buffers]
+
+    def __exit__(self, *exc):
+        self.params = [(slots, name, slots[name], slots[name]._version, path)
+                       for slots, name, path in _parameter_slots(self.segment)]
+        return False
+
+
+class _Recomputation:
+    """The recomputation's context of one checkpointed call: the buffers it reads hold their values
+    of the forward (:class:`_Snapshot`) while it runs; afterwards they, and those it mutates, hold
+    again what they held before it. Its modules hold the parameters the forward read: a call
+    under ``torch.func.functional_call`` (MAML's fast weights, per-sample gradients) swapped
+    its own in for the forward only, and the recomputation read the module's (silently wrong
+    gradients). Parameter objects are left to their owner: FSDP2 puts its unsharded ones back for
+    the backward itself (swapped in by fxremat, they mixed with its sharded ones). A parameter written in place since the forward (an optimizer step before the
+    backward) is refused, as eager PyTorch refuses it. Re-entered for each recomputation
+    (``retain_graph=True``, a ``create_graph=True`` gradient penalty)."""
+
+    def __init__(self, snapshot: _Snapshot, mutated: list[torch.Tensor]):
+        self.snapshot = snapshot
+        own = {id(b) for b in snapshot.buffers}
+        self.buffers = snapshot.buffers + [b for b in mutated if id(b) not in own]
+        self.held: list[tuple[list[torch.Tensor], list[tuple[dict, str, torch.Tensor]]]] = []
+
+    def __enter__(self):
+        swapped = []
+        for slots, name, param, version, path in self.snapshot.params:
+            now = slots.get(name)
+            if now is not param:
+                # a tensor put in for the forward only (functional_call's); a Parameter object that
+                # was swapped is the module's own management (FSDP2 unshards for the backward itself)
+                if not isinstance(param, torch.nn.Parameter):
+                    swapped.append((slots, name, now))
+                    slots[name] = param
+            elif param._version != version:
+                raise RuntimeError(
+                    f"fxremat.recompute: parameter {path!r} was written in place between the forward and the backward (version {version} -> {param._version}), "
+                    f"and the backward recomputes from it; eager PyTorch refuses this too (\"modified by an "
+                    f"inplace operation\"). Call backward before changing parameters (an optimizer step "
+                    f"after the backward, not between)")
+        with torch.no_grad():
+            self.held.append(([b.clone() for b in self.buffers], swapped))
+            for b, value in zip(self.snapshot.buffers, self.snapshot.values):
+                b.copy_(value)
+
+    def __exit__(self, *exc):
+        values, swapped = self.held.pop()
+        with torch.no_grad():
+            for b, value in zip(self.buffers, values):
+                b.copy_(value)
+        for slots, name, param in swapped:
+            slots[name] = param
+        return False
+
+
+_NESTED = re.compile(r"^(seg_\d+\.)+")  # the path of a nested segment in its parent: not the model's
+_SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def _parameter_slots(segment: torch.nn.Module) -> list[tuple[dict, str, str]]:
+    """``(module._parameters, name, qualified name)`` of every parameter slot of ``segment``'s modules (once per
+    segment: walking its modules each step cost ~1 µs a module)."""
+    slots = _SLOTS.get(segment)
+    if slots is None:
+        slots = _SLOTS[segment] = [(m._parameters, name, _NESTED.sub("", f"{path}.{name}" if path else name))
+                                   for path, m in segment.named_modules() for name, p in m._parameters.items()
+                                   if p is not None]
+    return slots
 
 
 def _named(segment: torch.nn.Module, name: str) -> list[torch.Tensor]:
@@ -47,14 +122,18 @@ def _named(segment: torch.nn.Module, name: str) -> list[torch.Tensor]:
     return list(segment.get_submodule(name).buffers(recurse=False))
 
 
-def _contexts(segment: torch.nn.Module, restore: tuple[str, ...]):
-    return contextlib.nullcontext(), _restore_buffers(segment, restore)
+def _contexts(segment: torch.nn.Module, restore: tuple[str, ...], reads: tuple[str, ...]):
+    snapshot = _Snapshot(segment, [b for name in reads for b in _named(segment, name)])
+    return snapshot, _Recomputation(snapshot, [b for name in restore for b in _named(segment, name)])
 
 
-def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = (), rng: bool = True):
+def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = (), reads: tuple[str, ...] = (),
+              rng: bool = True):
     """Run ``segment(*inputs)``, keeping only its inputs and outputs for the backward;
     ``restore``: what it mutates, put back after its recomputation — qualified names (in
     ``segment``) of buffers, or of submodules all of whose own buffers it mutates (a BatchNorm);
+    ``reads``: buffers it reads that the step also mutates (a step counter), which its
+    recomputation reads with the values they had when it ran in the forward;
     ``rng=False``: the segment draws no random numbers, so its recomputation need not save and
     restore the RNG states (the emitted code says so where profiling found no random op).
 
@@ -65,7 +144,7 @@ def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = (), 
     if torch.compiler.is_compiling():
         return checkpoint(segment, *inputs, use_reentrant=False, preserve_rng_state=rng)
     return checkpoint(segment, *inputs, use_reentrant=False, preserve_rng_state=rng,
-                      context_fn=lambda: _contexts(segment, restore))
+                      context_fn=lambda: _contexts(segment, restore, reads))
 
 
 def attribute_bindings(gm: fx.GraphModule, model: torch.nn.Module) -> tuple:

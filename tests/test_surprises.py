@@ -11,7 +11,9 @@ import logging
 
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxremat
 from fxremat.identity import PlanMismatchError
@@ -382,3 +384,234 @@ def test_measuring_a_compiled_model_leaves_it_compiled_and_says_what_was_measure
         del calls[:]
         train_step(model, x)
         assert calls, "still compiled after the measurement"
+
+
+# --------------------------------------------------------------------------------------------
+# What users change below the top, or around a step
+# --------------------------------------------------------------------------------------------
+
+class Scaled(nn.Module):
+    """A block torch.fx traces through, with settings its graph bakes in."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.scale = 1.0
+        self.p = 0.2
+
+    def forward(self, x):
+        return F.dropout(torch.tanh(self.conv(x)) * self.scale, self.p, self.training) + x
+
+
+class ScaledNet(nn.Module):
+    def __init__(self, c=8, n=4):
+        super().__init__()
+        self.temperature = 1.0
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*(Scaled(c) for _ in range(n)))
+        self.drop = nn.Dropout(0.0)
+        self.head = nn.Conv2d(c, 4, 1)
+
+    def forward(self, x):
+        return self.head(self.drop(self.blocks(self.stem(x)))) / self.temperature
+
+
+def _set_scale(m):
+    m.blocks[1].scale = 3.0
+
+
+def _new_conv(m):
+    torch.manual_seed(5)
+    m.blocks[2].conv = nn.Conv2d(8, 8, 3, padding=1)
+
+
+def _delete_and_set(m):
+    """Through the RematModule: the deletion traced again at once, and failed (the forward reads
+    ``head``)."""
+    torch.manual_seed(5)
+    head = nn.Conv2d(8, 4, 1)
+    del m.head
+    m.head = head
+
+
+@pytest.mark.parametrize("change", [
+    _set_scale,
+    lambda m: m.blocks[1].eval(),
+    _new_conv,
+    _delete_and_set,
+], ids=["attribute", "eval", "submodule", "deleted-and-set"])
+def test_a_setting_changed_below_the_top_reaches_the_graph(change):
+    """torch.fx bakes Python settings of the modules it traces through into the graph: a
+    drop-path schedule, ``block.eval()`` or a new submodule trained the compiled graph, silently."""
+    torch.manual_seed(0)
+    plain, model = pair(ScaledNet())
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    _assert_trains_like(with_grads(plain), with_grads(remat), X, steps=1)
+    change(plain)
+    change(remat)
+    _assert_trains_like(plain, remat, X)
+
+
+def test_a_setting_changed_on_the_original_model_reaches_the_graph():
+    torch.manual_seed(0)
+    plain, model = pair(ScaledNet())
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    plain.temperature = model.temperature = 2.0  # on the object the user still holds
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+
+
+def _peak_over_budget(remat, x) -> float:
+    with_grads(remat)
+    train_step(remat, x)
+    return fxremat.measure_peak(train_step, remat, x)[1] / remat.plan.budget_bytes
+
+
+def test_a_plan_follows_what_trains_and_what_a_leaf_measures():
+    """Unfreezing a frozen stem (its gradients were not in the plan) and raising a dropout's ``p``
+    from 0 (where it keeps no mask) plan again: before, 1.8x and 1.33x the budget."""
+    torch.manual_seed(0)
+    model = ScaledNet()
+    model.stem.requires_grad_(False)
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    frozen = remat.plan
+    assert _peak_over_budget(remat, X) <= 1.05
+    model.stem.requires_grad_(True)
+    assert _peak_over_budget(remat, X) <= 1.05 and remat.plan is not frozen
+    before = remat.plan
+    remat.drop.p = 0.5
+    assert _peak_over_budget(remat, X) <= 1.05 and remat.plan is not before
+
+
+class Counted(nn.Module):
+    """A step counter (a buffer) read by an activation: updated before the read, or after it."""
+
+    def __init__(self, first: bool):
+        super().__init__()
+        self.first = first
+        self.c1, self.c2, self.c3 = (nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1) for i in range(3))
+        self.fc = nn.Linear(8, 5)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        if self.first:
+            self.steps.add_(1)
+        h = torch.tanh(self.c1(x)) * (1 + self.steps)
+        y = torch.tanh(self.c3(torch.tanh(self.c2(h)))) + h
+        out = self.fc(y.mean((2, 3)))
+        if not self.first:
+            self.steps.add_(1)
+        return out
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["updated-then-read", "read-then-updated"])
+def test_a_recomputation_reads_buffers_as_the_forward_read_them(first):
+    """Recomputed, the read saw the counter as the whole step left it: wrong gradients."""
+    torch.manual_seed(0)
+    plain, model = pair(Counted(first))
+    x = torch.randn(4, 3, 16, 16)
+    remat = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert "reads = ('steps',)" in remat.code
+    for m in (plain, remat):
+        for _ in range(2):
+            m(x).square().mean().backward()
+    assert_same_state(plain, remat)
+
+
+def test_a_step_backpropagated_twice_recomputes_twice():
+    """``retain_graph=True`` and a ``create_graph=True`` gradient penalty enter the recomputation's
+    context again (a generator context manager could be entered once)."""
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    for m in (plain, remat):
+        out = m(X)
+        loss_of(out).backward(retain_graph=True)
+        out.square().mean().backward()
+        x = X.clone().requires_grad_()
+        (g,) = torch.autograd.grad(m(x).square().mean(), x, create_graph=True)
+        g.square().sum().backward()
+    assert_same_state(plain, remat)
+
+
+def test_a_recomputation_reads_the_parameters_its_forward_read():
+    """Under ``torch.func.functional_call`` the forward reads the call's tensors and the
+    recomputation read the module's; a parameter written in place before the backward is refused,
+    as eager PyTorch refuses it."""
+    plain, model = pair(_net())
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    grads = []
+    for m in (plain, remat):
+        params = {k: v.detach().mul(1.5).requires_grad_() for k, v in m.named_parameters()}
+        out = torch.func.functional_call(m, params, (X,))
+        grads.append(torch.autograd.grad(out.square().mean(), list(params.values())))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    out = remat(X)
+    with torch.no_grad():
+        remat.stem.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="'stem.weight' was written in place between the forward and the backward"):
+        out.square().mean().backward()
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x, mask=None):
+        out = self.body(x)
+        if mask is not None:
+            out = out * mask
+        return out
+
+
+def test_an_optional_input_traced_with_a_value_and_left_out_is_refused():
+    x, mask = torch.randn(8, 16), torch.ones(8, 4)
+    remat = fxremat.compile(Masked(), "min", example_inputs=(x, mask), cost_model="flops")
+    with pytest.raises(ValueError, match="traced with a value for mask .* this call leaves it None"):
+        remat(x)
+
+
+class SelfCheckpointed(Net):
+    """Hand-placed checkpointing inside the model (timm's ``set_grad_checkpointing``)."""
+
+    def encode(self, x):
+        return torch.utils.checkpoint.checkpoint(self.blocks, self.stem(x), use_reentrant=False)
+
+
+def test_a_models_own_checkpoint_is_named_where_it_is_traced_through():
+    """torch.fx traces through ``torch.utils.checkpoint``: eager's second BatchNorm update in the
+    recomputation is gone, and the budget is of the peak without it. Said, not silent."""
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"SelfCheckpointed calls torch.utils.checkpoint \(.*test_surprises.py: \d+\)"):
+        fxremat.compile(SelfCheckpointed(), 0.5, example_inputs=(X,), cost_model="flops")
+
+
+def test_a_model_too_big_to_profile_on_its_device_is_profiled_on_fake_tensors(monkeypatch):
+    """Profiling holds every value and runs plain steps: a model that does not fit on its device
+    (why it is compiled) ran out of memory inside ``fxremat.compile``. (The device's error is
+    simulated: this machine has none to run out of.)"""
+    from fxremat.passes import profile as profiling
+
+    real = profiling._profile
+
+    def tight(gm, inputs, cost_model, repeats):
+        if not profiling._is_fake(inputs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(gm, inputs, cost_model, repeats)
+
+    monkeypatch.setattr(profiling, "_profile", tight)
+    plain, model = pair(_net())
+    with pytest.warns(UserWarning, match="ran out of device memory .* profiled again on fake tensors"):
+        remat = fxremat.compile(model, 0.5, example_inputs=(X,))
+    assert remat.plan.cost_model == "flops" and remat.plan.strategy != "none"
+    monkeypatch.undo()
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+    assert _peak_over_budget(remat, X) <= 1.05
+
+
+def test_a_compiled_module_is_not_compiled_again_and_a_bad_call_names_the_forward():
+    remat = fxremat.compile(_net(), 0.5, example_inputs=(X,), cost_model="flops")
+    with pytest.raises(TypeError, match="got a RematModule .*pass the model it was compiled from"):
+        fxremat.compile(remat, 0.5)  # was captured whole and nested, silently
+    with pytest.raises(TypeError, match=r"fxremat.RematModule: Net.forward\(\) missing a required argument: 'x'"):
+        remat()
+    assert fxremat.PlanMismatchError is PlanMismatchError  # named by load_plan's docstring

@@ -41,6 +41,7 @@ by torch itself (FSDP2's all-gather, ``weight_norm``) are part of the computatio
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import statistics
 import time
@@ -50,7 +51,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
@@ -855,7 +856,36 @@ def _allocator_device(gm: fx.GraphModule, example_inputs) -> torch.device | None
 
 
 def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured", repeats: int = 3) -> GraphCosts:
-    """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring)."""
+    """Profile every call node of ``gm`` on ``example_inputs`` (see the module docstring).
+
+    Profiling holds every value of the forward and runs plain steps, so it needs more memory than
+    the plain step: a model that does not fit on its device (why it is compiled) ran out of memory
+    inside ``fxremat.compile``. Then it is profiled again on fake tensors (a copy of ``gm`` and its
+    inputs under ``FakeTensorMode``: the same bytes, nothing allocated), with flop counts for time
+    where the clock was asked for, and a warning says so."""
+    try:
+        return _profile(gm, example_inputs, cost_model, repeats)
+    except torch.OutOfMemoryError as exc:
+        if _is_fake(example_inputs):
+            raise
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # (out of the except block: the exception's frames held the step's tensors)
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    fallback = "flops" if cost_model == "measured" else cost_model
+    warnings.warn(
+        f"fxremat: profiling {type(gm).__name__} ran out of device memory ({cause[:160]}); profiled again on "
+        f"fake tensors (the same bytes, nothing allocated), with cost_model={fallback!r}. Planning needs more "
+        f"memory than a plain step; the compiled module itself trains within its plan", stacklevel=3)
+    mode = FakeTensorMode()
+    with FakeCopyMode(mode):
+        fake_gm = copy.deepcopy(gm)
+    fake_inputs = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, example_inputs)
+    with mode:
+        return _profile(fake_gm, fake_inputs, fallback, repeats)
+
+
+def _profile(gm: fx.GraphModule, example_inputs, cost_model: str, repeats: int) -> GraphCosts:
     cost_model = resolve_cost_model(cost_model, example_inputs, gm)
     with preserved_state(gm), torch.enable_grad(), user_hooks_disabled(gm):
         interp = _ProfilingInterpreter(gm, cost_model, repeats, _allocator_device(gm, example_inputs))

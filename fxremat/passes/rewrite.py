@@ -207,19 +207,22 @@ def _resolve(gm: fx.GraphModule, target: str):
 def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None, random=None, views=frozenset()) -> None:
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
+    reads = _buffers_read(gm, members, {b for names in mutated_buffers.values() for b in names})
     name = f"seg_{i}"
     seg = _segment_module(gm, members, inputs, outputs)
     if nested is not None:
         sub_segments, sub_recomputed, sub_inner = nested
         flat, seg = seg, rewrite(seg, sub_segments, sub_recomputed, mutated_buffers, sub_inner, random=random,
                                  views=views)
-        for buffer in mutated:  # restored around this segment's recomputation: reachable from it
+        for buffer in mutated | reads:  # restored around this segment's recomputation: reachable from it
             _attach(seg, flat, buffer.rpartition(".")[0])
     attrs[name] = seg
     fn = top.get_attr(name)
     args = (fn, *[env[a] for a in inputs])
     call_name = outputs[0].name if len(outputs) == 1 else f"{name}_out"
     kwargs = {"restore": _restore_names(gm, mutated)} if mutated else {}
+    if reads:
+        kwargs["reads"] = tuple(sorted(reads))
     if random is not None and not any(n.name in random for n in members):
         kwargs["rng"] = False
     call = top.create_node("call_function", recompute, args, kwargs, name=call_name)
@@ -228,6 +231,31 @@ def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None,
         return
     for k, o in enumerate(outputs):
         env[o] = top.create_node("call_function", operator.getitem, (call, k), name=o.name)
+
+
+# Calls that read running statistics in training only to update them: their output does not
+# depend on the values, so their recomputation needs none of the forward's (the update is undone).
+_STATISTICS_UPDATES = (torch.nn.functional.batch_norm, torch.batch_norm, torch.nn.functional.instance_norm,
+                       torch.ops.aten.batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+                       torch.ops.aten._native_batch_norm_legit_functional.default,
+                       torch.ops.aten.native_batch_norm.default)
+
+
+def _buffers_read(gm: fx.GraphModule, members, written: set[str]) -> set[str]:
+    """Buffers of ``written`` (those the step mutates) that ``members`` read: through a ``get_attr``
+    (``x * (1 + self.steps)``, ``self.steps.add_(1)``) or inside a leaf module that mutates its own
+    (not a normalization layer: in training it only updates its statistics). A recomputation
+    that read them as the rest of the step left them (a counter one step ahead) differentiated
+    another function than the forward ran: silently wrong gradients."""
+    reads = set()
+    for n in members:
+        for a in n.all_input_nodes:
+            if a.op == "get_attr" and a.target in written and not (
+                    n.op == "call_function" and n.target in _STATISTICS_UPDATES and a not in n.args[:1]):
+                reads.add(a.target)
+        if n.op == "call_module" and not isinstance(gm.get_submodule(n.target), torch.nn.modules.batchnorm._NormBase):
+            reads.update(b for b in written if b.startswith(f"{n.target}."))
+    return reads
 
 
 def _restore_names(gm: fx.GraphModule, mutated: set[str]) -> tuple[str, ...]:

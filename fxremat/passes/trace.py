@@ -55,7 +55,7 @@ import torch.fx as fx
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "SettingsWatch", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG"]
 
 log = logging.getLogger("fxremat")
@@ -312,6 +312,67 @@ class HookWatch:
         names = self._walk()
         changed, self.names = names != self.names, names
         return changed
+
+
+_SETTING_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_setting(value) -> bool:
+    return isinstance(value, _SETTING_TYPES) or (
+        isinstance(value, tuple) and len(value) <= 8 and all(isinstance(v, _SETTING_TYPES) for v in value))
+
+
+class SettingsWatch:
+    """The Python settings a plan depends on, looked at again at each training step.
+
+    - Baked into the graph by the trace: ``training`` and the public number, string and flag
+      attributes (``drop_prob``, ``scale``) of the model and of every submodule torch.fx traced
+      through, and which submodules are set (``remat.block.conv = nn.Conv2d(...)``). torch.fx
+      records such values as constants, so a schedule that set ``drop_prob`` each epoch, a
+      ``block.eval()`` or a new submodule trained the graph of the compile, silently.
+    - Read by a leaf (a ``call_module`` node) when it is called, but measured into the plan:
+      its ``training`` and its float attributes (``Dropout.p``: at 0 dropout keeps no mask, and a
+      plan made then measured 1.33x its budget at ``p=0.5``).
+
+    Costs ~0.1 µs a watched value a step (a few hundred on timm's ResNet-50 or ViT-S)."""
+
+    def __init__(self, model: torch.nn.Module, traced: fx.GraphModule | None):
+        leaves = {n.target for n in traced.graph.nodes if n.op == "call_module"} if traced is not None else set()
+        self.where, self.leaf = [], []  # ((module.__dict__, name), "path.name"), whether a leaf's
+        for path, module in model.named_modules():
+            leaf = path in leaves
+            prefix = f"{path}." if path else ""
+            for name, value in vars(module).items():
+                if not name.startswith("_") and (isinstance(value, float) or name == "training" if leaf
+                                                 else _is_setting(value)):
+                    self.where.append(((vars(module), name), prefix + name))
+                    self.leaf.append(leaf)
+            if not leaf:  # its submodules: the values of module._modules
+                self.where += [((module._modules, name), prefix + name) for name in module._modules]
+                self.leaf += [False] * len(module._modules)
+        self.keys = [key for key, _ in self.where]
+        self.values = self._now()
+
+    def _now(self) -> list:
+        return [d.get(name) for d, name in self.keys]
+
+    def refresh(self) -> None:
+        """Take the values as they are now: after code that runs the forward's Python (a trace, a
+        capture), whose side effects (``self.calls += 1``) change no graph."""
+        self.values = self._now()
+
+    def changed(self) -> tuple[str, bool] | None:
+        """What changed since the last look (``"blocks.0.drop_prob = 0.2"``) and whether only
+        leaves' settings did, or None. (One list built and compared: ~0.1 µs a value.)"""
+        now = self._now()
+        if now == self.values:
+            return None
+        moved = [i for i, (a, b) in enumerate(zip(now, self.values)) if a is not b and a != b]
+        self.values = now
+        if not moved:
+            return None
+        first = moved[0]
+        return f"{self.where[first][1]} = {now[first]!r}"[:200], all(self.leaf[i] for i in moved)
 
 
 class _PythonValueError(fx.proxy.TraceError, TypeError):
@@ -689,6 +750,29 @@ def _check_state_writes(model: torch.nn.Module, tracers, names: frozenset) -> No
         )
 
 
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _warn_inlined_checkpoints(model: torch.nn.Module, gm: fx.GraphModule) -> None:
+    """Warn where the model's own ``torch.utils.checkpoint`` calls were traced through (nodes made
+    under ``torch/utils/checkpoint.py``): the graph holds their functions plainly, and the plan
+    decides what is recomputed."""
+    for node in gm.graph.nodes:
+        frames = (node.meta.get("stack_trace") or "").split('File "')
+        at = next((i for i, f in enumerate(frames) if f.startswith(_CHECKPOINT_FILE) or _CHECKPOINT_FILE + '"' in f), None)
+        if at is None:
+            continue
+        caller = frames[at - 1].split("\n")[0].replace('", line', ":").split(", in ")[0] if at > 1 else "its forward"
+        warnings.warn(
+            f"fxremat: {type(model).__name__} calls torch.utils.checkpoint ({caller}); fxremat traces through "
+            f"it and plans what is recomputed itself, so that checkpoint is not applied: the function runs "
+            f"once in the forward, and a BatchNorm in it updates its statistics once per step (eager "
+            f"PyTorch's checkpoint updates them again when it recomputes); a fraction budget is of the peak "
+            f"without it. Turn the model's own checkpointing off (timm: model.set_grad_checkpointing(False)) "
+            f"to silence this warning.", stacklevel=4)
+        return
+
+
 def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.GraphModule:
     """Symbolically trace ``model``; untraceable submodules become leaves (with a warning)."""
     classes, names = _split_leaves(leaf_modules)
@@ -738,6 +822,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
         gm = restore_modes(fx.GraphModule(tracer.root, graph, type(model).__name__))
         if tracer.output_type is not dict and issubclass(tracer.output_type, dict):
             gm.meta[_OUTPUT_TYPE_META] = tracer.output_type
+        _warn_inlined_checkpoints(model, gm)
         return gm
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
 
