@@ -61,6 +61,11 @@ class CostGraph:
     when the model returns its loss (Hugging Face models given ``labels=``), from which alone the
     backward starts (``loss_bytes`` is then 0), else ``None``.
 
+    ``cache_bytes[v]`` (empty: none anywhere): autocast's cached casts of parameters that v made
+    (bf16 copies of its weights), alive until the forward ends whether v is recomputed or not;
+    ``cache_saved_bytes[v]`` the part of them v's backward saves, then kept until it where v is
+    not recomputed (not in ``extra_bytes``).
+
     ``param_grads_held``: the backward runs as one compiled graph (AOTAutograd under
     ``torch.compile``), which returns every parameter's gradient when it ends, so each stays alive
     from its node's backward to the end of the backward instead of going into ``.grad`` at once
@@ -93,11 +98,15 @@ class CostGraph:
     step_cost: float
     cost_unit: str
     param_grads_held: bool = False
+    cache_bytes: tuple[int, ...] = ()
+    cache_saved_bytes: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = len(self.names)
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in ("cache_bytes", "cache_saved_bytes") and not value:
+                continue  # no autocast cache
             if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
                 raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")
         for v in range(n):

@@ -161,12 +161,20 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
             mem.alloc(("f", v), graph.out_bytes[v], graph.transient_bytes[v])
+            if graph.cache_bytes:
+                mem.alloc(("c", v), graph.cache_bytes[v])
             if not rec:
                 mem.alloc(("x", v), graph.extra_bytes[v])
             for r in {graph.root[p] for p in graph.preds[v]}:
                 pending[r].discard(v)
                 maybe_free(r)
             maybe_free(v)
+    if graph.cache_bytes:  # autocast's cache goes when the forward's autocast region exits
+        for seg, rec in zip(schedule.segments, schedule.recomputed):
+            for v in seg:
+                mem.free(("c", v))
+                if not rec:  # what a kept node saves of it stays until its backward
+                    mem.alloc(("xc", v), graph.cache_saved_bytes[v])
     grads = _Grads(mem, graph)
     for v in graph.gradient_outputs():
         grads.give(v, graph.grad_bytes[v])
@@ -204,6 +212,7 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
         sums += grads.shared.summed(v)
     grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
+    mem.free(("xc", v))
     if sums:
         params = min(graph.param_grad_bytes[v], graph.bwd_transient_bytes[v])
         mem.note(incoming + params + max(sums))
@@ -347,6 +356,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         ran = order[:k + 1] if runs else order[:k]
         for v in ran:
             mem.alloc(key(v), graph.out_bytes[v], graph.transient_bytes[v])
+            if graph.cache_bytes:  # the recomputation runs in an autocast region of its own
+                mem.alloc(("rc", depth, v), graph.cache_bytes[v])
             if not inner.recomputed[sub_of[v]]:
                 mem.alloc(("x", v), graph.extra_bytes[v])
             for r in {graph.root[p] for p in graph.preds[v]}:
@@ -357,6 +368,11 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         for v in ran:  # the early stop: consumers after it never run
             needed[v].clear()
             maybe_free(v)
+        if graph.cache_bytes:  # its region exits: what a node kept saves of the cache stays
+            for v in ran:
+                mem.free(("rc", depth, v))
+                if not inner.recomputed[sub_of[v]]:
+                    mem.alloc(("xc", v), graph.cache_saved_bytes[v])
 
     for i in reversed(range(len(inner.segments))):
         sub = inner.segments[i]

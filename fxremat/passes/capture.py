@@ -245,6 +245,9 @@ def _forward_bytes(model: torch.nn.Module, fn, *args, **kwargs) -> int:
     tracker = LiveStorageTracker()
     with preserved_state(model), tracker:
         out = fn(*args, **kwargs)
+        # autocast's cached casts (a call inside the caller's autocast region) are let go when the
+        # region exits, before the backward; counted, the plain peak was predicted +50.8%
+        torch.clear_autocast_cache()
         kept = tracker.live_bytes
         del out
     return kept

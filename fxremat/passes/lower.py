@@ -103,6 +103,9 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         transient_bytes=tuple(c.fwd_transient_bytes for c in node_costs),
         bwd_transient_bytes=tuple(c.bwd_transient_bytes for c in node_costs),
         param_grad_bytes=tuple(c.param_grad_bytes for c in node_costs),
+        cache_bytes=tuple(c.cache_bytes for c in node_costs) if any(c.cache_bytes for c in node_costs) else (),
+        cache_saved_bytes=(tuple(c.cache_saved_bytes for c in node_costs)
+                           if any(c.cache_bytes for c in node_costs) else ()),
         shared_params=shared,
         loss_bytes=0 if loss_output is not None else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
         loss_output=loss_output,

@@ -100,6 +100,8 @@ class NodeCost:
     params: tuple[str, ...] = ()
     saved_count: int = 0  # tensors its forward hands autograd to save (each a pack/unpack in a checkpoint)
     saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
+    cache_bytes: int = 0  # autocast's cached casts of parameters it made (alive until the forward ends)
+    cache_saved_bytes: int = 0  # ... those of them its backward saves (kept until it, where it is not recomputed)
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,30 @@ class _SavedRecorder:
     @staticmethod
     def unpack(t):
         return t
+
+
+class _AutocastCasts(TorchDispatchMode):
+    """The casts of parameters that autocast keeps in its cache (``aten._to_copy`` of a parameter
+    that requires grad, to another dtype, while autocast runs with its cache on): they stay alive
+    until the autocast region exits, however soon their readers are done, so a recomputed segment
+    does not let them go (1.49x the budget at "min" on a net with large weights under bf16
+    autocast where they were counted as freed). Storage key -> bytes, per node."""
+
+    def __init__(self, param_keys):
+        super().__init__()
+        self.param_keys = param_keys
+        self.made: dict = {}
+        # (read here: inside a dispatch mode autocast reads as off)
+        self.caching = torch.is_autocast_cache_enabled() and any(
+            torch.is_autocast_enabled(d) for d in ("cpu", "cuda", "xpu", "mps") if torch.amp.is_autocast_available(d))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if (self.caching and func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+                and args[0].requires_grad and _storage_key(args[0]) in self.param_keys
+                and out.dtype != args[0].dtype):
+            self.made[_storage_key(out)] = out.untyped_storage().nbytes()
+        return out
 
 
 class _Seed(torch.autograd.Function):
@@ -269,10 +295,11 @@ class _ProfilingInterpreter(fx.Interpreter):
         self.tracker.peak_bytes = live_before
         self.buffer_writes.clear()
         allocator = AllocatorPeak(self.allocator_device)
+        casts = _AutocastCasts(self.param_keys)
         # buffer_writes below the tracker: the copies it compares values with are not counted.
         with self.buffer_writes, seeded, self.tracker, allocator, torch.autograd.graph.saved_tensors_hooks(
             recorder.pack, recorder.unpack
-        ), (flop_counter or contextlib.nullcontext()):
+        ), (flop_counter or contextlib.nullcontext()), casts:
             out = super().run_node(n)
         transient = max(0, self.tracker.peak_bytes - self.tracker.live_bytes, allocator.transient_bytes)
         flops = flop_counter.get_total_flops() if flop_counter else 0
@@ -280,7 +307,7 @@ class _ProfilingInterpreter(fx.Interpreter):
                     or (rng_before is not None and not _same_states(rng_before, _rng_states())))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
-        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before), mutated_buffers=mutated,
+        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, casts.made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
             cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
@@ -371,7 +398,9 @@ class _ProfilingInterpreter(fx.Interpreter):
                 if _storage_key(t) in self.param_names}
 
 
-    def _node_cost(self, n, out, saved, transient, flops, before=frozenset()) -> NodeCost:
+    def _node_cost(self, n, out, saved, transient, flops, before=frozenset(), casts=None) -> NodeCost:
+        casts = {k: b for k, b in (casts or {}).items()  # an explicit cast (a captured graph's) is a value
+                 if k not in {_storage_key(t) for t in _tensors(out)}}
         out_bytes, root = 0, n.name
         for t in _tensors(out):
             key = _storage_key(t)
@@ -382,10 +411,12 @@ class _ProfilingInterpreter(fx.Interpreter):
             else:
                 self.owner[key] = n.name
                 out_bytes += t.untyped_storage().nbytes()
-        saved_inputs, saves_output, extra = set(), False, 0
+        saved_inputs, saves_output, extra, cache_saved = set(), False, 0, 0
         for key, nbytes in saved.items():
             who = self.owner.get(key)
-            if who is None:
+            if key in casts:
+                cache_saved += nbytes
+            elif who is None:
                 extra += nbytes
             elif who == n.name:
                 saves_output = True
@@ -402,7 +433,7 @@ class _ProfilingInterpreter(fx.Interpreter):
             params=tuple(sorted(params)),
             fwd_cost=_flop_cost(self.cost_model, flops, moved),
             flops=flops, module=module_of(self.module, n)[0], grad_alias=grad_alias,
-            tensor_output=bool(_tensors(out)),
+            tensor_output=bool(_tensors(out)), cache_bytes=sum(casts.values()), cache_saved_bytes=cache_saved,
         )
 
     def _fetch_args(self, n: fx.Node):
