@@ -678,6 +678,11 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
     if isinstance(backend, str) and backend != "eager" and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"fxremat.compile: backend {backend!r} is not a torch.compile backend; use {BACKENDS_HINT} "
                          f"(torch._dynamo.list_backends() lists them)")
+    if options.get("plan") is not None and (strategy != "auto" or cost_model is not None):
+        given = ", ".join(f"{k}={v!r}" for k, v in (("strategy", strategy), ("cost_model", cost_model))
+                          if v not in ("auto", None))
+        raise TypeError(f"fxremat.compile: {given} has no effect with plan= (the plan fixes the segments and "
+                        f"nothing is planned again); leave it out, or plan with it instead of passing plan=")
     if cost_model is None:
         cost_model = "measured" if backend == "eager" else "compiled"
     options.setdefault("dp_early_stop", None if backend != "eager" else False)

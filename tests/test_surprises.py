@@ -155,6 +155,13 @@ def test_saved_plan_is_used_as_planned(saved):
     assert peak <= plan.budget_bytes
 
 
+@pytest.mark.parametrize("kwargs", [{"strategy": "exact"}, {"cost_model": "flops"}])
+def test_options_a_saved_plan_overrides_are_refused(saved, kwargs):
+    _, path = saved
+    with pytest.raises(TypeError, match=f"{next(iter(kwargs))}=.* has no effect with plan="):
+        fxremat.compile(_net(), 0.5, example_inputs=(X,), plan=fxremat.load_plan(path), **kwargs)
+
+
 def test_emptied_mutated_buffers_are_derived_again(saved, tmp_path):
     _, path = saved
 
