@@ -210,6 +210,16 @@ def test_untraceable_submodule_becomes_a_leaf_with_a_warning():
     assert_same_state(plain, compiled)
 
 
+def test_many_untraceable_submodules_are_named_in_one_warning():
+    """smp's MiT encoder made 30 leaves, each with its own warning."""
+    model = nn.Sequential(*[DataDependent() for _ in range(5)])
+    with pytest.warns(UserWarning) as said:
+        fxremat.compile(model, 1.0, example_inputs=(torch.randn(4, 8),), cost_model="flops")
+    leaves = [str(w.message) for w in said if "leaf node" in str(w.message)]
+    assert len(leaves) == 1 and leaves[0].startswith("fxremat: 5 submodules are treated as one leaf node each")
+    assert "leaf_modules=('0', '1', '2', '3', '4')" in leaves[0]
+
+
 def test_untraceable_top_level_raises_trace_error():
     with pytest.raises(fxremat.TraceError, match="top-level module"):
         fxremat.compile(DataDependent(), 0.5, example_inputs=(torch.randn(3),))

@@ -753,6 +753,24 @@ def _check_state_writes(model: torch.nn.Module, tracers, names: frozenset) -> No
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 
+_MAX_LEAF_WARNINGS = 3
+
+
+def _warn_untraceable(untraceable: list[tuple[str, str]]) -> None:
+    """One warning per submodule made a leaf, or one for all past a few (smp's MiT encoder: 30
+    blocks with the same ``if x.ndim == 4:``)."""
+    if len(untraceable) <= _MAX_LEAF_WARNINGS:
+        for _, message in untraceable:
+            warnings.warn(message, stacklevel=4)
+        return
+    names = tuple(name for name, _ in untraceable)
+    warnings.warn(
+        f"fxremat: {len(names)} submodules are treated as one leaf node each ({', '.join(map(repr, names[:8]))}"
+        f"{', ...' if len(names) > 8 else ''}). The first: "
+        f"{untraceable[0][1].removeprefix('fxremat: ').split(' Pass leaf_modules=')[0]} "
+        f"Pass leaf_modules={names!r} to silence this warning.", stacklevel=4)
+
+
 def _warn_inlined_checkpoints(model: torch.nn.Module, gm: fx.GraphModule) -> None:
     """Warn where the model's own ``torch.utils.checkpoint`` calls were traced through (nodes made
     under ``torch/utils/checkpoint.py``): the graph holds their functions plainly, and the plan
@@ -778,6 +796,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
     classes, names = _split_leaves(leaf_modules)
     devices = _autocast_devices()
     probes = _probe_states(devices)
+    untraceable = []  # (submodule, warning) of those made leaves, warned about once traced
     for _ in range(_MAX_AUTO_LEAVES):
         tracer = _LeafTracer(classes, names, devices)
         try:
@@ -816,13 +835,14 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             failing = tracer.stack[-1] if tracer.stack else ""
             if not failing or failing in names:
                 raise _trace_error(model, failing, exc) from exc
-            warnings.warn(_untraceable_message(model, failing, exc), stacklevel=3)
+            untraceable.append((failing, _untraceable_message(model, failing, exc)))
             names = names | {failing}
             continue
         gm = restore_modes(fx.GraphModule(tracer.root, graph, type(model).__name__))
         if tracer.output_type is not dict and issubclass(tracer.output_type, dict):
             gm.meta[_OUTPUT_TYPE_META] = tracer.output_type
         _warn_inlined_checkpoints(model, gm)
+        _warn_untraceable(untraceable)
         return gm
     raise TraceError("", RuntimeError(f"more than {_MAX_AUTO_LEAVES} submodules failed to trace"))
 
