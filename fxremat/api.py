@@ -40,7 +40,7 @@ from .passes.trace import CALL_OPS, HookWatch, SettingsWatch, module_of, output_
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
-from .runtime import attribute_bindings, rebind
+from .runtime import attribute_bindings, parameter_slots, rebind
 from .simulate import predicted_timeline, rerun_time, simulate
 
 __all__ = ["compile", "plan", "planned", "Planned", "cost_graph", "RematModule", "load_plan", "node_infos", "emitted_code"]
@@ -780,7 +780,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
     if not _fits(config):
         return
     if state.traced is None:  # captured per call (torch.export): the entry holds the capture
-        key = state.key(("call",), (tuple(args), dict(kwargs)))
+        key = ("call",) + _signature((tuple(args), dict(kwargs)))
         captured = state.cache[key][3]
         gm, inputs, extra = captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
         made = {_segmentation(state.cache[key][0].segments): state.cache[key][1:3]}
@@ -798,7 +798,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
                 return _lowered(gm, inputs, config)
     else:
         inputs = remat._bind(args, kwargs)
-        key, gm, extra = state.key((), inputs), state.traced, None
+        key, gm, extra = _signature(inputs), state.traced, None
 
         def install(the_plan):
             state.install(key, the_plan)
@@ -1045,7 +1045,7 @@ class _State:
         self.hooks = HookWatch(model)
         self.settings = SettingsWatch(model, traced)
         self.deleted: str | None = None  # an attribute deleted since the last training step
-        self.params = _parameter_slots(model)
+        self.params = parameter_slots(model)
         self.trained: dict = {}  # cache key -> which parameters required gradients when it was planned
         self.signature = inspect.signature(model.forward)
         # forward's parameters when all are positional without defaults: a call with that many
@@ -1080,21 +1080,16 @@ class _State:
             and n.target in self.signature.parameters and self.signature.parameters[n.target].default is None)
         self.finish = _same if self.rebuild is None else _without_dynamo(self.rebuild)
 
-    def key(self, kind: tuple, inputs: tuple) -> tuple:
-        """The plan-cache key of ``inputs``: their :func:`_signature`."""
-        return kind + _signature(inputs)
-
     def entry(self, key: tuple):
         """The cache entry of ``key``, unless a parameter that was frozen when it was planned
         requires gradients now (unfreezing a backbone after a plan made with it frozen trained at
         1.8x the budget: its gradients were not in the plan); then it is dropped, to be planned
         again. Freezing more keeps the plan: it holds fewer gradients than planned."""
-        entry = self.cache.get(key)
-        if entry is None:
-            return None
-        trains = [d[name].requires_grad for d, name in self.params]
-        if trains != self.trained.get(key, trains) and any(
-                now and not then for now, then in zip(trains, self.trained[key])):
+        entry, then = self.cache.get(key), self.trained.get(key)
+        if entry is None or then is None:
+            return entry
+        trains = [d[name].requires_grad for d, name, _ in self.params]
+        if trains != then and any(now and not was for now, was in zip(trains, then)):
             log.info("fxremat: parameters of %s that were frozen when it was planned train now; planning again",
                      type(self.model).__name__)
             del self.cache[key]
@@ -1103,7 +1098,7 @@ class _State:
 
     def put(self, key: tuple, entry) -> None:
         self.cache[key] = entry
-        self.trained[key] = [d[name].requires_grad for d, name in self.params]
+        self.trained[key] = [d[name].requires_grad for d, name, _ in self.params]
 
     def trace_again(self) -> fx.GraphModule:
         """The model traced as it was first (the parameters defaulting to ``None`` as ``None``)."""
@@ -1121,10 +1116,10 @@ class _State:
         self.traced = traced
         self.hooks = HookWatch(self.model)
         self.settings = SettingsWatch(self.model, traced)
-        self.params = _parameter_slots(self.model)
+        self.params = parameter_slots(self.model)
         self.traced_bindings = attribute_bindings(self.traced, self.model) if self.traced is not None else ()
         self._rebuilding(self.traced)
-        for store in (self.cache, self.emitted, self.timed, self.planned):
+        for store in (self.cache, self.emitted, self.timed, self.planned, self.trained):
             store.clear()
         self.last = None
 
@@ -1193,12 +1188,6 @@ class _State:
 
 def _called_modules(gm: fx.GraphModule) -> dict:
     return {n.target: id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
-
-
-def _parameter_slots(model: torch.nn.Module) -> list[tuple[dict, str]]:
-    """Where each parameter is held (``(module._parameters, name)``): read through them, a
-    replaced parameter (``load_state_dict(assign=True)``, FSDP2) is the new one."""
-    return [(m._parameters, name) for m in model.modules() for name, p in m._parameters.items() if p is not None]
 
 
 def _retrace_after_change(remat: "RematModule", what: str) -> None:
@@ -1446,7 +1435,7 @@ class RematModule(torch.nn.Module):
         """The cache entry ``(plan, emitted module, bindings)`` of ``inputs``' signature, planned on
         first sight; ``compiling``: the step runs under torch.compile (Dynamo traced the call)."""
         state = self._remat
-        key = state.key((), inputs)
+        key = _signature(inputs)
         entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()
@@ -1547,7 +1536,7 @@ class RematModule(torch.nn.Module):
         **kwargs)`` for a model captured per call: captured and planned on first sight of the
         call's signature."""
         state = self._remat
-        key = state.key(("call",), (tuple(args), dict(kwargs)))
+        key = ("call",) + _signature((tuple(args), dict(kwargs)))
         entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()

@@ -18,7 +18,6 @@ train the old tensors.
 
 from __future__ import annotations
 
-
 import re
 import weakref
 
@@ -26,7 +25,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "attribute_bindings", "rebind"]
+__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots"]
 
 
 class _Snapshot:
@@ -57,9 +56,10 @@ class _Recomputation:
     under ``torch.func.functional_call`` (MAML's fast weights, per-sample gradients) swapped
     its own in for the forward only, and the recomputation read the module's (silently wrong
     gradients). Parameter objects are left to their owner: FSDP2 puts its unsharded ones back for
-    the backward itself (swapped in by fxremat, they mixed with its sharded ones). A parameter written in place since the forward (an optimizer step before the
-    backward) is refused, as eager PyTorch refuses it. Re-entered for each recomputation
-    (``retain_graph=True``, a ``create_graph=True`` gradient penalty)."""
+    the backward itself (swapped in by fxremat, they mixed with its sharded ones). A parameter
+    written in place since the forward (an optimizer step before the backward) is refused, as
+    eager PyTorch refuses it. Re-entered for each recomputation (``retain_graph=True``, a
+    ``create_graph=True`` gradient penalty)."""
 
     def __init__(self, snapshot: _Snapshot, mutated: list[torch.Tensor]):
         self.snapshot = snapshot
@@ -79,10 +79,10 @@ class _Recomputation:
                     slots[name] = param
             elif param._version != version:
                 raise RuntimeError(
-                    f"fxremat.recompute: parameter {path!r} was written in place between the forward and the backward (version {version} -> {param._version}), "
-                    f"and the backward recomputes from it; eager PyTorch refuses this too (\"modified by an "
-                    f"inplace operation\"). Call backward before changing parameters (an optimizer step "
-                    f"after the backward, not between)")
+                    f"fxremat.recompute: parameter {path!r} was written in place between the forward and the "
+                    f"backward (version {version} -> {param._version}), and the backward recomputes from it; "
+                    f"eager PyTorch refuses this too (\"modified by an inplace operation\"). Call backward "
+                    f"before changing parameters (an optimizer step after the backward, not between)")
         with torch.no_grad():
             self.held.append(([b.clone() for b in self.buffers], swapped))
             for b, value in zip(self.snapshot.buffers, self.snapshot.values):
@@ -102,14 +102,20 @@ _NESTED = re.compile(r"^(seg_\d+\.)+")  # the path of a nested segment in its pa
 _SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
+def parameter_slots(module: torch.nn.Module) -> list[tuple[dict, str, str]]:
+    """``(submodule._parameters, name, qualified name)`` of every parameter slot of ``module``:
+    read through them, a replaced parameter (``load_state_dict(assign=True)``, FSDP2,
+    ``torch.func.functional_call``) is the one in place now. (A nested segment's path in its
+    parent, ``seg_0.``, is left out of the name.)"""
+    return [(m._parameters, name, _NESTED.sub("", f"{path}.{name}" if path else name))
+            for path, m in module.named_modules() for name, p in m._parameters.items() if p is not None]
+
+
 def _parameter_slots(segment: torch.nn.Module) -> list[tuple[dict, str, str]]:
-    """``(module._parameters, name, qualified name)`` of every parameter slot of ``segment``'s modules (once per
-    segment: walking its modules each step cost ~1 µs a module)."""
+    """:func:`parameter_slots` of a segment, once (walking its modules each step cost ~1 µs a module)."""
     slots = _SLOTS.get(segment)
     if slots is None:
-        slots = _SLOTS[segment] = [(m._parameters, name, _NESTED.sub("", f"{path}.{name}" if path else name))
-                                   for path, m in segment.named_modules() for name, p in m._parameters.items()
-                                   if p is not None]
+        slots = _SLOTS[segment] = parameter_slots(segment)
     return slots
 
 

@@ -588,7 +588,7 @@ def test_a_models_own_checkpoint_is_named_where_it_is_traced_through():
     """torch.fx traces through ``torch.utils.checkpoint``: eager's second BatchNorm update in the
     recomputation is gone, and the budget is of the peak without it. Said, not silent."""
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match=r"SelfCheckpointed calls torch.utils.checkpoint \(.*test_surprises.py: \d+\)"):
+    with pytest.warns(UserWarning, match=r"SelfCheckpointed calls torch.utils.checkpoint \(.*test_surprises.py:\d+\)"):
         fxremat.compile(SelfCheckpointed(), 0.5, example_inputs=(X,), cost_model="flops")
 
 

@@ -346,8 +346,8 @@ class _ProfilingInterpreter(fx.Interpreter):
         if view is not None:
             base = view._base.detach().requires_grad_()
             leaves.append(base)
-            copy = _Capture.apply(base, arrived).clone()
-            written = copy.as_strided(view.size(), view.stride(), view.storage_offset() - view._base.storage_offset())
+            base_copy = _Capture.apply(base, arrived).clone()
+            written = base_copy.as_strided(view.size(), view.stride(), view.storage_offset() - view._base.storage_offset())
 
         def detach(t):
             if t is view:

@@ -250,8 +250,8 @@ def _buffers_read(gm: fx.GraphModule, members, written: set[str]) -> set[str]:
     reads = set()
     for n in members:
         for a in n.all_input_nodes:
-            if a.op == "get_attr" and a.target in written and not (
-                    n.op == "call_function" and n.target in _STATISTICS_UPDATES and a not in n.args[:1]):
+            if (a.op == "get_attr" and a.target in written
+                    and not (n.op == "call_function" and n.target in _STATISTICS_UPDATES)):
                 reads.add(a.target)
         if n.op == "call_module" and not isinstance(gm.get_submodule(n.target), torch.nn.modules.batchnorm._NormBase):
             reads.update(b for b in written if b.startswith(f"{n.target}."))

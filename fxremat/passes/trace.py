@@ -45,6 +45,7 @@ import linecache
 import logging
 import operator
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -776,11 +777,11 @@ def _warn_inlined_checkpoints(model: torch.nn.Module, gm: fx.GraphModule) -> Non
     under ``torch/utils/checkpoint.py``): the graph holds their functions plainly, and the plan
     decides what is recomputed."""
     for node in gm.graph.nodes:
-        frames = (node.meta.get("stack_trace") or "").split('File "')
-        at = next((i for i, f in enumerate(frames) if f.startswith(_CHECKPOINT_FILE) or _CHECKPOINT_FILE + '"' in f), None)
+        frames = re.findall(r'File "(.*?)", line (\d+)', node.meta.get("stack_trace") or "")
+        at = next((i for i, (path, _) in enumerate(frames) if path.endswith(_CHECKPOINT_FILE)), None)
         if at is None:
             continue
-        caller = frames[at - 1].split("\n")[0].replace('", line', ":").split(", in ")[0] if at > 1 else "its forward"
+        caller = ":".join(frames[at - 1]) if at else "its forward"
         warnings.warn(
             f"fxremat: {type(model).__name__} calls torch.utils.checkpoint ({caller}); fxremat traces through "
             f"it and plans what is recomputed itself, so that checkpoint is not applied: the function runs "
