@@ -588,8 +588,12 @@ def test_a_models_own_checkpoint_is_named_where_it_is_traced_through():
     """torch.fx traces through ``torch.utils.checkpoint``: eager's second BatchNorm update in the
     recomputation is gone, and the budget is of the peak without it. Said, not silent."""
     torch.manual_seed(0)
+    plain, model = pair(SelfCheckpointed())
     with pytest.warns(UserWarning, match=r"SelfCheckpointed calls torch.utils.checkpoint \(.*test_surprises.py:\d+\)"):
-        fxremat.compile(SelfCheckpointed(), 0.5, example_inputs=(X,), cost_model="flops")
+        remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    # trains as the model does (its BatchNorm statistics aside: eager's checkpoint updates them twice)
+    assert torch.equal(train_step(plain, X), train_step(remat, X))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), remat.parameters()))
 
 
 def test_a_model_too_big_to_profile_on_its_device_is_profiled_on_fake_tensors(monkeypatch):

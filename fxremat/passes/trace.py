@@ -678,6 +678,11 @@ def _kept_whole(cls, run, args, kwargs):
     proxies = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, fx.Proxy)]
     if not proxies:
         return run(*args, **kwargs)
+    if cls.__module__ == "torch.utils.checkpoint" and cls.__name__ == "_NoopSaveInputs":
+        # the bookkeeping of a model's own non-reentrant checkpoint (torch < 2.13): without a
+        # gradient function the checkpoint runs its function plainly, which is then traced (kept
+        # whole, its backward raised "Did not expect to backward on this graph")
+        return torch.empty((0,))
     proxy = proxies[0].tracer.create_proxy("call_function", _autograd_function_apply, args, kwargs,
                                            name=cls.__name__.lower())
     proxy.node.meta[_FUNCTION_META] = cls
