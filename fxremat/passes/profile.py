@@ -14,9 +14,10 @@
   alone under the tracker;
 - ``grad_bytes``: the size of its output's gradient (the tensor's size, views included);
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
-  (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``) instead of new
-  buffers, in every autograd node the call creates (``narrow``/``slice`` allocate their input's
-  size; a ``Linear`` on 3-d inputs ends in a view but its ``addmm`` allocates);
+  (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``, ``sum``: an
+  expand) instead of new buffers, in every autograd node the call creates (``narrow``/``slice``
+  allocate their input's size; a ``Linear`` on 3-d inputs ends in a view but its ``addmm``
+  allocates);
 - ``uses_rng``: whether it draws random numbers (dropout masks): an aten op tagged
   ``nondeterministic_seeded`` ran (also on fake tensors), or the CPU/CUDA generators moved; such
   nodes must keep their relative order, or the RNG stream hands them other masks, and only the
@@ -464,7 +465,7 @@ def _draws_random(root: torch.nn.Module, n: fx.Node) -> bool:
 _ALIAS_GRAD_FNS = (
     "CatBackward", "StackBackward", "AddBackward0", "ViewBackward", "ReshapeAliasBackward",
     "UnsafeViewBackward", "PermuteBackward", "TransposeBackward", "TBackward", "SqueezeBackward",
-    "UnsqueezeBackward", "AliasBackward", "CloneBackward",
+    "UnsqueezeBackward", "AliasBackward", "CloneBackward", "SumBackward",
 )
 
 
@@ -516,6 +517,9 @@ def _grad_alias(out, args, before=frozenset()) -> bool:
         # (into .grad for a parameter, a bias broadcast over the batch, which the node's parameter
         # gradients count: the other input's gradient is still a view)
         if not all(t.shape == outs[0].shape and t.dtype == outs[0].dtype for t in inputs if id(t) not in leaves):
+            return False
+    if name.startswith("SumBackward"):  # an expand of the incoming gradient, unless a cast follows
+        if not all(t.dtype == outs[0].dtype for t in inputs if id(t) not in leaves):
             return False
     return _passes_views(outs[0].grad_fn, stops, leaves, depth=8)
 
