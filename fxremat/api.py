@@ -32,7 +32,7 @@ from .measure import allocated_peak, default_loss
 from .core import CostGraph, Schedule
 from .passes.calibrate import calibrate
 from .passes.lower import build_graph
-from .passes.profile import COST_MODELS, GraphCosts, preserved_state, profile, step_times
+from .passes.profile import COST_MODELS, GraphCosts, PlainForward, forward_bytes, preserved_state, profile, step_times
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
@@ -279,13 +279,17 @@ def _may_recompute(config: _Config) -> bool:
     return config.strategy != "none" and not whole
 
 
-def _plain_peak(graph: CostGraph, plain_extra_bytes: int | None) -> int | None:
-    """The model's own plain peak where its plain code is not ``graph`` (a captured model,
-    ``plain_extra_bytes`` measured by :func:`fxremat.passes.capture.capture_call`): the graph's
-    predicted plain peak plus what the plain forward keeps beyond the graph's."""
-    if plain_extra_bytes is None:
+def _plain_peak(graph: CostGraph, plain: PlainForward | None) -> int | None:
+    """The model's own plain peak (see :class:`~fxremat.passes.profile.PlainForward`), or ``None``
+    where its forward was not measured (the graph's simulated plain peak then stands)."""
+    if plain is None:
         return None
-    return simulate(graph, Schedule.plain(graph.n)) + plain_extra_bytes
+    return max(simulate(graph, Schedule.plain(graph.n)) + plain.extra_bytes, plain.peak_bytes)
+
+
+def _plain_forward(model: torch.nn.Module, args: tuple, kwargs: dict) -> PlainForward:
+    """A traced model's own forward, called as the user calls it (:class:`PlainForward`)."""
+    return PlainForward(peak_bytes=forward_bytes(model, model, *args, **kwargs)[1])
 
 
 def _early_stop(config: _Config, gm: fx.GraphModule, inputs: tuple) -> bool:
@@ -303,24 +307,25 @@ def _early_stop(config: _Config, gm: fx.GraphModule, inputs: tuple) -> bool:
 
 
 def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
-                plain_extra_bytes: int | None = None) -> tuple[Plan, GraphCosts | None]:
+                plain: PlainForward | None = None) -> tuple[Plan, GraphCosts | None]:
     """The pipeline after tracing, for :func:`compile`, :func:`plan` and the CLI: a saved plan
     (``config.plan``) checked and re-derived, or profile → lower → choose → :class:`Plan`.
-    ``plain_extra_bytes``: for a captured model, what its plain forward keeps beyond the graph's
-    (the baseline is the model's own, see :func:`_plain_peak`).
-    Returns the plan and the profile its times came from (``None`` for a saved plan)."""
+    ``plain``: the model's own forward, measured (the baseline is the model's, see
+    :func:`_plain_peak`). Returns the plan and the profile its times came from (``None`` for a
+    saved plan)."""
     if config.plan is not None:
-        return _saved_plan(gm, inputs, config, origin, plain_extra_bytes), None
+        return _saved_plan(gm, inputs, config, origin, plain), None
     graph, costs = _lowered(gm, inputs, config)
-    return _chosen(gm, inputs, graph, costs, config, plain_extra_bytes), costs
+    return _chosen(gm, inputs, graph, costs, config, _plain_peak(graph, plain)), costs
 
 
 def _chosen(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphCosts, config: _Config,
-            plain_extra_bytes: int | None = None) -> Plan:
-    """Solve a lowered graph under ``config`` (autotuning where it asks) and make the Plan."""
+            plain_peak_bytes: int | None = None) -> Plan:
+    """Solve a lowered graph under ``config`` (autotuning where it asks) and make the Plan;
+    ``plain_peak_bytes``: the baseline, where it is not the graph's simulated plain peak."""
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, plain_peak_bytes=_plain_peak(graph, plain_extra_bytes),
+                        rotor_slots=config.rotor_slots, plain_peak_bytes=plain_peak_bytes,
                         nested=config.nested, early_stop=_early_stop(config, gm, inputs))
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
@@ -359,7 +364,7 @@ def _backend_name(backend) -> str:
 
 
 def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
-                plain_extra_bytes: int | None = None) -> Plan:
+                plain: PlainForward | None = None) -> Plan:
     """``config.plan`` checked against this graph and re-derived from it: the graph key, every
     segment's nodes (each call node once, dependencies in order), then one profile of the
     current model (``"uniform"`` costs, or the plan's ``"flops"``: no timing) gives the mutated
@@ -373,7 +378,7 @@ def _saved_plan(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
         costs = profile(gm, inputs, cost_model=cost_model, repeats=1)
         graph = replace(build_graph(gm, costs), param_grads_held=config.one_backward)
         schedule = plan_schedule(saved, graph, origin=origin)
-        own = _plain_peak(graph, plain_extra_bytes)
+        own = _plain_peak(graph, plain)
         baseline = simulate(graph, Schedule.plain(graph.n)) if own is None else own
         peak = simulate(graph, schedule)
     target = config.budget.resolve(baseline)
@@ -479,21 +484,25 @@ class Planned:
         return emitted_code(self.emit(), title)
 
 
-def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules,
-                 api: str) -> tuple[fx.GraphModule, tuple, int | None]:
-    """``(graph module, its positional inputs, plain_extra_bytes)`` for ``model`` called with
-    ``example_inputs``; the last is ``None`` for a traced model (see :func:`_plain_peak`)."""
+def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules, api: str,
+                 measure_plain: bool = True) -> tuple[fx.GraphModule, tuple, PlainForward | None]:
+    """``(graph module, its positional inputs, the model's own forward measured)`` for ``model``
+    called with ``example_inputs`` (the last ``None`` where not ``measure_plain``, for a traced
+    model; see :func:`_plain_peak`)."""
     inputs = None if isinstance(example_inputs, dict) else _as_tuple(example_inputs)
     gm = _traced(model, leaf_modules, api, can_capture=True, example_inputs=example_inputs)
+    args, kwargs = _example_call(example_inputs)
     if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
-        args, kwargs = _example_call(example_inputs)
         captured = capture_call(model, args, kwargs)
-        return captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
+        return captured.graph_module, captured.inputs(args, kwargs), captured.plain
     if inputs is None:  # keyword inputs of a traced forward: its placeholders in order
         bound = inspect.signature(model.forward).bind(**example_inputs)
         bound.apply_defaults()
         inputs = tuple(bound.arguments.values())
-    return gm, inputs, None
+    if not measure_plain:
+        return gm, inputs, None
+    _check_inputs(gm, inputs, api)
+    return gm, inputs, _plain_forward(model, args, kwargs)
 
 
 def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "auto", cost_model: str = "measured",
@@ -505,8 +514,8 @@ def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(budget, strategy, cost_model, options, api=api, leaf_modules=leaf_modules)
     with _training_mode(model):  # plan what is trained, also for a model in eval()
-        gm, inputs, extra = _traced_call(model, example_inputs, leaf_modules, api)
-        the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}", extra)
+        gm, inputs, plain = _traced_call(model, example_inputs, leaf_modules, api)
+        the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}", plain)
     return Planned(gm, inputs, the_plan)
 
 
@@ -518,7 +527,7 @@ def cost_graph(model: torch.nn.Module, *, example_inputs, cost_model: str = "mea
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(1.0, "auto", cost_model, {"profile_repeats": profile_repeats}, api=api, leaf_modules=leaf_modules)
     with _training_mode(model):
-        gm, inputs, _ = _traced_call(model, example_inputs, leaf_modules, api)
+        gm, inputs, _ = _traced_call(model, example_inputs, leaf_modules, api, measure_plain=False)
         return _lowered(gm, inputs, config, any_budget=True)[0]
 
 
@@ -782,7 +791,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
     if state.traced is None:  # captured per call (torch.export): the entry holds the capture
         key = ("call",) + _signature((tuple(args), dict(kwargs)))
         captured = state.cache[key][3]
-        gm, inputs, extra = captured.graph_module, captured.inputs(args, kwargs), captured.plain_extra_bytes
+        gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
         made = {_segmentation(state.cache[key][0].segments): state.cache[key][1:3]}
 
         def install(the_plan):
@@ -798,7 +807,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
                 return _lowered(gm, inputs, config)
     else:
         inputs = remat._bind(args, kwargs)
-        key, gm, extra = _signature(inputs), state.traced, None
+        key, gm = _signature(inputs), state.traced
 
         def install(the_plan):
             state.install(key, the_plan)
@@ -807,7 +816,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
             costs = state.timed[_layout(key)]
             return replace(build_graph(gm, costs), param_grads_held=config.one_backward), costs
     plan = state.cache[key][0]
-    target = plan.budget_bytes
+    target, baseline = plan.budget_bytes, plan.baseline_peak_bytes
     graph_costs = None
     tried = []  # (plan, measured peak, Inductor's layout optimization on)
     with _stage("fitting", f"the compiled step's peak to the budget ({_backend_name(config.backend)})"):
@@ -823,10 +832,10 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
             graph_costs = graph_costs or lowered()
             try:
                 new = _chosen(gm, inputs, *graph_costs, replace(config, budget=parse_budget(max(2, moved)),
-                                                                autotune=0), extra)
+                                                                autotune=0), baseline)
             except InfeasibleBudgetError:  # below the least feasible peak: the least, once
                 new = _chosen(gm, inputs, *graph_costs, replace(config, budget=parse_budget("min"), autotune=0),
-                              extra)
+                              baseline)
             if any(_segmentation(new.segments) == _segmentation(t[0].segments) for t in tried):
                 break
             fitting = [t[0].predicted_overhead for t in tried if t[1] <= target]
@@ -992,13 +1001,14 @@ _REUSED = ("segmentation reused from a plan of this graph for other input sizes;
            "checked by simulation on bytes profiled for these sizes (time costs from the first sizes)")
 
 
-def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: GraphCosts, kept) -> Plan:
+def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: GraphCosts, kept,
+                  plain: PlainForward) -> Plan:
     """The plan for new sizes of a planned layout: the fastest of the ``kept`` segmentations
     (plan segments) whose simulated peak fits the budget at these sizes; if none fits, or for
     ``budget="min"``, the solvers run again on these bytes (no timing, no measured profiling)."""
     costs = _sized_costs(timed, profile(gm, inputs, cost_model="uniform", repeats=1))
     graph = build_graph(gm, costs)
-    baseline = simulate(graph, Schedule.plain(graph.n))
+    baseline = _plain_peak(graph, plain)
     target = config.budget.resolve(baseline)
     best = None
     for plan_ in kept if target is not None else ():
@@ -1009,7 +1019,7 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
             best = cand if best is None or cand[:2] < best[:2] else best
     if best is None:
         choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, nested=config.nested,
+                        rotor_slots=config.rotor_slots, plain_peak_bytes=baseline, nested=config.nested,
                         early_stop=_early_stop(config, gm, inputs))
     else:
         rtime, peak, schedule, plan_ = best
@@ -1136,17 +1146,35 @@ class _State:
                 "shapes. (Shown once.)", stacklevel=4)
         self.planned.add(hash(key))
         layout = _layout(key)
+        _check_inputs(self.traced, inputs)
+        plain = _plain_forward(self.model, *self.call_of(inputs))
         if self.config.plan is None and layout in self.timed:
             kept = [entry[0] for (lay, _), entry in self.emitted.items() if lay == layout]
-            the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept)
+            the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept, plain)
             self.timed.move_to_end(layout)
         else:
-            the_plan, costs = _plan_graph(self.traced, inputs, self.config, "the plan passed to fxremat.compile")
+            the_plan, costs = _plan_graph(self.traced, inputs, self.config, "the plan passed to fxremat.compile",
+                                          plain)
             if costs is not None:
                 self.timed[layout] = costs
             while len(self.timed) > self.config.max_plans:
                 self.timed.popitem(last=False)
         return (the_plan, *self._emitted(layout, the_plan))
+
+    def call_of(self, inputs: tuple) -> tuple[tuple, dict]:
+        """``(args, kwargs)`` of the model's call whose traced graph's inputs are ``inputs``
+        (what :meth:`RematModule._bind` made of the call; ``**kwargs`` were empty)."""
+        params = [p for p in self.signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        spread = len(inputs) - len(params) + 1  # the values of a *args
+        values, args, kwargs = iter(inputs), [], {}
+        for p in params:
+            if p.kind is inspect.Parameter.VAR_POSITIONAL:
+                args.extend(next(values) for _ in range(spread))
+            elif p.kind is inspect.Parameter.KEYWORD_ONLY:
+                kwargs[p.name] = next(values)
+            else:
+                args.append(next(values))
+        return tuple(args), kwargs
 
     def install(self, key: tuple, the_plan: Plan) -> None:
         """Make ``the_plan`` the plan of input signature ``key`` (emitted once per segmentation)."""
@@ -1463,8 +1491,22 @@ class RematModule(torch.nn.Module):
         method with two branches: Dynamo would compile that method's frame, guarded on each module
         and input signature, before the emitted code.)"""
         if self.training and torch.is_grad_enabled():
+            if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+                return self._transformed_call
             return self._training_call
         return self._plain_forward
+
+    def _transformed_call(self, *args, **kwargs):
+        """A call inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``): the
+        model plainly, as eager runs it. torch.func does not support the saved-tensor hooks a
+        checkpoint needs ("don't yet support saved tensor hooks"), and planning inside a transform
+        failed on its wrapped inputs."""
+        warnings.warn(
+            f"fxremat.RematModule: {type(self._remat.model).__name__} is called inside a torch.func transform "
+            f"(grad, vjp, jacrev, vmap), which does not support torch.utils.checkpoint: it runs plainly, "
+            f"without recomputation, so its peak is the plain model's. Call the module outside the transform "
+            f"(torch.autograd.grad or .backward()) to train within the budget.", stacklevel=3)
+        return self._remat.model(*args, **kwargs)
 
     def _plain_forward(self, *args, **kwargs):
         return self._remat.model(*args, **kwargs)
@@ -1503,7 +1545,8 @@ class RematModule(torch.nn.Module):
     @_eager_between_graphs
     def _check_hooks(self) -> None:
         """Trace and plan again when hooks were added to or removed from submodules since the
-        trace: a submodule with hooks must be a leaf, called by the emitted graph. Trace again,
+        trace (a submodule with hooks must be a leaf, called by the emitted graph), or parameters
+        were moved out of their slots (pruning, parametrizations). Trace again,
         and plan again where the graph changed, when a setting the trace baked in changed
         (:class:`~fxremat.passes.trace.SettingsWatch`: ``block.drop_prob = 0.2``, ``block.eval()``,
         a submodule replaced)."""
@@ -1511,6 +1554,13 @@ class RematModule(torch.nn.Module):
         if state.hooks.changed():
             log.info("fxremat: the submodules of %s with hooks changed; tracing and planning again",
                      type(state.model).__name__)
+            state.retrace()
+            return
+        if any(name not in slots for slots, name, _ in state.params):
+            # pruned (``weight`` becomes ``weight_orig`` and a mask) or parametrized since the trace:
+            # the next step raised a bare KeyError
+            log.info("fxremat: parameters of %s were moved (pruning, a parametrization); tracing and planning "
+                     "again", type(state.model).__name__)
             state.retrace()
             return
         changed = state.settings.changed()
@@ -1547,7 +1597,7 @@ class RematModule(torch.nn.Module):
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))
                 the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
-                                          captured.plain_extra_bytes)
+                                          captured.plain)
             emitted = _emit(gm, the_plan)
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",

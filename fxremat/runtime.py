@@ -25,7 +25,16 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots"]
+__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "put_back"]
+
+
+def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """``tensor.copy_(value)`` (under ``no_grad``), resized first where it changed size since
+    ``value`` was taken: a quantization observer's ``min_val`` has shape ``[0]`` until its first
+    forward (``prepare_qat`` then compile: "The size of tensor a (8) must match ... (0)")."""
+    if tensor.shape != value.shape:
+        tensor.resize_(value.shape)
+    tensor.copy_(value)
 
 
 class _Snapshot:
@@ -86,13 +95,13 @@ class _Recomputation:
         with torch.no_grad():
             self.held.append(([b.clone() for b in self.buffers], swapped))
             for b, value in zip(self.snapshot.buffers, self.snapshot.values):
-                b.copy_(value)
+                put_back(b, value)
 
     def __exit__(self, *exc):
         values, swapped = self.held.pop()
         with torch.no_grad():
             for b, value in zip(self.buffers, values):
-                b.copy_(value)
+                put_back(b, value)
         for slots, name, param in swapped:
             slots[name] = param
         return False

@@ -262,6 +262,23 @@ class Twice(nn.Module):
         return self.shared(self.mid(self.shared(x)))
 
 
+class LocalHeld(nn.Module):
+    """A Python local holds a value past its last use until forward returns (``feats``, as the
+    loop variable of smp's UNet++ decoder): the graph frees it there, eager does not, and the
+    plain peak was predicted -23.5%."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(16, 8, 3, padding=1)
+        self.c3, self.c4 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.c1(x)
+        feats = torch.cat([h, h], dim=1)
+        y = self.c2(torch.cat([feats[:, :8], feats[:, 8:]], dim=1).relu())
+        return self.c4(F.relu(self.c3(F.relu(y))))
+
+
 @pytest.mark.parametrize("make,x", [
     (lambda: LM(True), torch.randint(0, 4096, (2, 16))),
     (Twice, torch.randn(2, 8, 256)),
@@ -273,8 +290,9 @@ class Twice(nn.Module):
     (lambda: nn.Sequential(*[GRN() for _ in range(3)]), torch.randn(2, 8, 8, 64)),
     (MaskedScores, torch.randn(8, 128, 64)),
     (lambda: MaskedScores(augmented=True), torch.randn(8, 128, 64)),
+    (LocalHeld, torch.randn(2, 8, 64, 64)),
 ], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized", "broadcast-bias",
-        "write-into-slice", "augmented-write-into-slice"])
+        "write-into-slice", "augmented-write-into-slice", "python-local"])
 def test_plain_peak_predicted_within_two_percent(make, x):
     torch.manual_seed(0)
     model = make()

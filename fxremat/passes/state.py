@@ -24,6 +24,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..runtime import put_back
+
 __all__ = ["StateWrites", "StateWrite", "kept_state"]
 
 # Ops that write these arguments (when ``training`` is true) without a Tensor(a!) annotation.
@@ -157,4 +159,4 @@ def kept_state(model: torch.nn.Module, *, owner=None):
         tensors = dict(params + buffers)
         with torch.no_grad():
             for name in watch.written:
-                tensors[name].copy_(copies.get(name, watch.before[name]))
+                put_back(tensors[name], copies.get(name, watch.before[name]))

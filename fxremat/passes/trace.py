@@ -52,6 +52,7 @@ import warnings
 
 import torch
 import torch.fx as fx
+import torch.utils.checkpoint
 
 from ..errors import TraceError
 from .state import kept_state
@@ -777,6 +778,18 @@ def _warn_untraceable(untraceable: list[tuple[str, str]]) -> None:
         f"Pass leaf_modules={names!r} to silence this warning.", stacklevel=4)
 
 
+def own_checkpoint_warning(model: torch.nn.Module, caller: str) -> str:
+    """The warning for a model that calls ``torch.utils.checkpoint`` itself (at ``caller``)."""
+    return (
+        f"fxremat: {type(model).__name__} calls torch.utils.checkpoint ({caller}); fxremat traces through "
+        f"it and plans what is recomputed itself, so that checkpoint is not applied: the function runs "
+        f"once in the forward, and a BatchNorm in it updates its statistics once per step (eager "
+        f"PyTorch's checkpoint updates them again when it recomputes); a fraction budget is of the peak "
+        f"without it. Turn the model's own checkpointing off (timm: model.set_grad_checkpointing(False); "
+        f"Hugging Face: model.gradient_checkpointing_disable(); diffusers: "
+        f"model.disable_gradient_checkpointing()) to silence this warning.")
+
+
 def _warn_inlined_checkpoints(model: torch.nn.Module, gm: fx.GraphModule) -> None:
     """Warn where the model's own ``torch.utils.checkpoint`` calls were traced through (nodes made
     under ``torch/utils/checkpoint.py``): the graph holds their functions plainly, and the plan
@@ -786,15 +799,32 @@ def _warn_inlined_checkpoints(model: torch.nn.Module, gm: fx.GraphModule) -> Non
         at = next((i for i, (path, _) in enumerate(frames) if path.endswith(_CHECKPOINT_FILE)), None)
         if at is None:
             continue
-        caller = ":".join(frames[at - 1]) if at else "its forward"
-        warnings.warn(
-            f"fxremat: {type(model).__name__} calls torch.utils.checkpoint ({caller}); fxremat traces through "
-            f"it and plans what is recomputed itself, so that checkpoint is not applied: the function runs "
-            f"once in the forward, and a BatchNorm in it updates its statistics once per step (eager "
-            f"PyTorch's checkpoint updates them again when it recomputes); a fraction budget is of the peak "
-            f"without it. Turn the model's own checkpointing off (timm: model.set_grad_checkpointing(False)) "
-            f"to silence this warning.", stacklevel=4)
+        warnings.warn(own_checkpoint_warning(model, ":".join(frames[at - 1]) if at else "its forward"), stacklevel=4)
         return
+
+
+@contextlib.contextmanager
+def own_checkpoints_seen(seen: list[str]):
+    """While in it, each non-reentrant ``torch.utils.checkpoint`` that runs appends the line of
+    the model's code that called it to ``seen``: a torch.export capture runs the model's Python
+    code, but its nodes' stack traces leave torch's frames out, so the trace's check of them
+    finds nothing there (a diffusers model with ``enable_gradient_checkpointing()``)."""
+    hook = torch.utils.checkpoint._checkpoint_hook  # entered once per checkpointed call
+    own = hook.__dict__.get("__init__")
+    inherited = hook.__init__
+
+    def init(self, *args, **kwargs):
+        seen.append(_user_frame(traceback.extract_stack()) or "its forward")
+        inherited(self, *args, **kwargs)
+
+    hook.__init__ = init
+    try:
+        yield
+    finally:
+        if own is None:
+            del hook.__init__
+        else:
+            hook.__init__ = own
 
 
 def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.GraphModule:
@@ -888,10 +918,14 @@ def varargs_reason(module: torch.nn.Module) -> str | None:
 def user_line(exc: BaseException) -> str | None:
     """``file:line (function: code)`` of the innermost frame of ``exc``'s traceback outside torch
     and fxremat: the model's code that failed."""
+    return _user_frame(traceback.extract_tb(exc.__traceback__))
+
+
+def _user_frame(frames: traceback.StackSummary) -> str | None:
+    """``file:line (function: code)`` of the innermost of ``frames`` outside torch and fxremat."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
     own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith((torch_dir, own_dir))]
+    frames = [f for f in frames if not f.filename.startswith((torch_dir, own_dir))]
     if not frames:
         return None
     f = frames[-1]
