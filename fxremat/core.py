@@ -199,6 +199,13 @@ class Schedule:
     recomputed: tuple[bool, ...]
     inner: tuple["Schedule | None", ...] = ()
 
+    def __post_init__(self):
+        flat = [v for seg in self.segments for v in seg]
+        if len(flat) != len(set(flat)):  # a step would run a node twice (a dropout drawing twice)
+            twice = sorted({v for v in flat if flat.count(v) > 1})
+            raise AssertionError(f"fxremat.core.Schedule: nodes {twice[:8]} are in two segments; a solver made "
+                                 "overlapping segments (please report this with the model)")
+
     def inner_of(self, i: int) -> "Schedule | None":
         return self.inner[i] if self.inner else None
 
@@ -218,6 +225,10 @@ class Schedule:
         but the last is recomputed (the canonical strategy of Kusumoto et al.)."""
         segments, prev = [], 0
         for mask in lower_sets:
+            # (what came before stays before: the chain baselines' cut points do not always grow,
+            # e.g. a captured graph's num_batches_tracked.add_(1), which no later node descends
+            # from; taken as they came, a plan held it in two segments and ran it twice)
+            mask |= prev
             segments.append(tuple(v for v in range(mask.bit_length()) if (mask & ~prev) >> v & 1))
             prev = mask
         return cls(tuple(segments), tuple([True] * (len(segments) - 1) + [False]))

@@ -49,6 +49,50 @@ def test_stages_partition_the_graph_in_order(chain_graph):
     assert all(len(stages[i]) > 3 and costs.wabar[i] > costs.wa[i + 1] for i in range(3, 11))
 
 
+def test_lower_sets_that_do_not_grow_still_partition_the_nodes():
+    """A chain baseline's cut points need not grow: a captured graph's
+    ``num_batches_tracked.add_(1)``, which no later node descends from, is a cut point whose lower
+    set is itself. Taken as they came, the node landed in two segments and a step ran it twice."""
+    from fxremat.core import Schedule
+
+    full = 0b11111
+    schedule = Schedule.from_lower_sets([0b00101, 0b00011, 0b01011, full])
+    flat = [v for seg in schedule.segments for v in seg]
+    assert sorted(flat) == list(range(5))
+    assert schedule.segments == ((0, 2), (1,), (3,), (4,))
+
+
+class ParameterBranches(nn.Module):
+    """Each layer adds a value computed from parameters alone (YOLOS interpolates its position
+    embeddings in every layer): such a node's lower set holds no earlier cut's, and taken as a
+    chain cut point, rotor's stages overlapped, so a plan ran the first layer twice (its dropout
+    drew twice: the output was not eager's) and a nested one failed to emit (YOLOS at "min")."""
+
+    def __init__(self, n=6, d=64):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
+        self.drop = nn.Dropout(0.1)
+        self.pe = nn.Parameter(torch.randn(n, 1, d))
+
+    def forward(self, x):
+        for i, lin in enumerate(self.lins):
+            x = self.drop(torch.tanh(lin(x))) + self.pe[i].unsqueeze(0) * 2
+        return x
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_rotor_runs_each_node_once_beside_parameter_only_branches(budget):
+    torch.manual_seed(0)
+    plain, model = pair(ParameterBranches())
+    x = torch.randn(2, 32, 64)
+    remat = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops", strategy="rotor")
+    names = [n for seg in remat.plan.segments for n in seg.nodes]
+    assert len(names) == len(set(names)) == remat.plan.num_nodes
+    for seed in range(2):
+        assert torch.equal(train_step(plain, x, seed=seed), train_step(remat, x, seed=seed))
+    assert_same_state(plain, remat)
+
+
 def test_nested_schedule_with_plain_inner_simulates_like_flat(chain_graph):
     stages = chain_stages(chain_graph)
     first = tuple(v for s in stages[:5] for v in s)

@@ -31,7 +31,11 @@ __all__ = ["cut_points", "stage_bytes", "sequential", "chen_greedy", "chen_candi
 
 def cut_points(graph: CostGraph) -> list[tuple[int, int]]:
     """Cut points (group heads) in topological order, each with its lower set A_v: the group's
-    members and all their ancestors."""
+    members and all their ancestors, each lower set holding the one before (a chain). A node
+    computed from parameters alone (YOLOS's position embeddings, interpolated in every layer)
+    has a lower set of its own that holds no earlier cut's: taken as a cut, rotor's stages
+    overlapped, a plan ran their nodes twice (a dropout drew twice: outputs not eager's), and a
+    nested segment holding one twice failed to emit."""
     anc = ancestor_masks(graph.ordered_preds)
     members: dict[int, int] = {}
     for v in range(graph.n):
@@ -46,7 +50,7 @@ def cut_points(graph: CostGraph) -> list[tuple[int, int]]:
         if low == full:
             continue
         leaving = [u for u in bits(low) if succ[u] & ~low]
-        if all((members[head] >> u) & 1 for u in leaving):
+        if all((members[head] >> u) & 1 for u in leaving) and (not out or out[-1][1] & ~low == 0):
             out.append((head, low))
     return out
 
