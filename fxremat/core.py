@@ -66,6 +66,15 @@ class CostGraph:
     ``cache_saved_bytes[v]`` the part of them v's backward saves, then kept until it where v is
     not recomputed (not in ``extra_bytes``).
 
+    ``bwd_unpack_bytes[v]`` (empty: 0 everywhere): what v's backward holds when it first unpacks
+    a tensor v saved, beyond the gradient it was handed. In a recomputed segment whose
+    recomputation v's backward starts, the recomputation runs beside them: ``CopySlices``, the
+    backward of an in-place write into a view, has made a base-sized gradient, its copy and a
+    clone of the slice's before the write's own backward unpacks. ``bwd_released_bytes[v]``
+    (empty: 0 everywhere): what of its gradient v's backward lets go before its peak or that
+    unpack (``CopySlices`` drops the view-sized one): where another node holds the same
+    gradient buffer (the other input of an ``add``), it adds to both.
+
     ``param_grads_held``: the backward runs as one compiled graph (AOTAutograd under
     ``torch.compile``), which returns every parameter's gradient when it ends, so each stays alive
     from its node's backward to the end of the backward instead of going into ``.grad`` at once
@@ -100,13 +109,15 @@ class CostGraph:
     param_grads_held: bool = False
     cache_bytes: tuple[int, ...] = ()
     cache_saved_bytes: tuple[int, ...] = ()
+    bwd_unpack_bytes: tuple[int, ...] = ()
+    bwd_released_bytes: tuple[int, ...] = ()
 
     def __post_init__(self):
         n = len(self.names)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("cache_bytes", "cache_saved_bytes") and not value:
-                continue  # no autocast cache
+            if f.name in ("cache_bytes", "cache_saved_bytes", "bwd_unpack_bytes", "bwd_released_bytes") and not value:
+                continue  # no autocast cache; no backward that allocates before it unpacks
             if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
                 raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")
         for v in range(n):

@@ -57,7 +57,11 @@ class LiveStorageTracker(TorchDispatchMode):
         """Count ``tensor``'s storage once, until it is freed."""
         if tensor.layout != torch.strided:
             return
-        storage = tensor.untyped_storage()
+        self.track_storage(tensor.untyped_storage(), fake=isinstance(tensor, torch._subclasses.FakeTensor))
+
+    def track_storage(self, storage: torch.UntypedStorage, fake: bool = False) -> None:
+        """Count ``storage`` once, until it is freed (one allocated before the mode, which
+        something else holds and lets go of inside it)."""
         key = storage._cdata
         if key in self._alive:
             return
@@ -65,7 +69,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self._alive[key] = weakref.ref(storage, lambda _r, k=key, n=nbytes: self._release(k, n))
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if storage.device.type == "cuda" and not isinstance(tensor, torch._subclasses.FakeTensor):
+        if storage.device.type == "cuda" and not fake:
             self.saw_cuda = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -11,14 +11,16 @@ soon as nothing needs it; gradient buffers count):
 - backward, segments in reverse: nodes in reverse order allocate their inputs' gradients and
   release their output's gradient and their saved values. A checkpointed segment is recomputed
   when the first of its nodes that saves something reaches its backward (the nodes after the
-  last such node go first), and only up to that node: torch's non-reentrant checkpoint stops
-  once every tensor the segment saved is saved again (its early stop), so the nodes after it
-  are not run again. Its saved values are held until their node's backward, the others die as
-  in the forward, except the segment's outputs, which live until the recomputation stops (the
-  segment returns them); so do values whose readers come after the stop. Gradient buffers are
-  reference counted: ``cat``/``stack``/same-shape ``add`` hand their inputs views of their own
-  gradient, which lives until the last view dies; a second gradient for the same value is
-  accumulated in place (a transient).
+  last such node go first; what that node's backward made before it unpacks, the base-sized
+  gradients of a write into a view, lives through the recomputation), and only up to that
+  node: torch's non-reentrant checkpoint stops once every tensor the segment saved is saved
+  again (its early stop), so the nodes after it are not run again. Its saved values are held
+  until their node's backward, the others die as in the forward, except the segment's
+  outputs, which live until the recomputation stops (the segment returns them); so do values
+  whose readers come after the stop. Gradient buffers are reference counted:
+  ``cat``/``stack``/same-shape ``add`` hand their inputs views of their own gradient, which
+  lives until the last view dies; a second gradient for the same value is accumulated in place
+  (a transient).
 Graph outputs stay alive throughout (the caller holds the loss); when the backward starts, the
 loss is assumed to need ``graph.loss_bytes`` on top of the outputs' gradients.
 """
@@ -56,6 +58,12 @@ class _Grads:
         self.drop(v)
         del self.of[v]
         self.give(v, nbytes)
+
+    def held_elsewhere(self, v: int) -> bool:
+        """Whether v's gradient buffer is also another node's (views handed to the inputs of an
+        ``add`` or ``cat``), so that it stays alive whatever v's backward lets go."""
+        buf = self.of.get(v)
+        return buf is not None and self.refs[buf] > 1
 
     def drop(self, v: int) -> None:
         buf = self.of.get(v)
@@ -184,6 +192,12 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     return (mem.peak, mem.timeline) if timeline else mem.peak
 
 
+def _released(graph: CostGraph, v: int, grads: _Grads) -> int:
+    """What v's backward lets go of its gradient early (``graph.bwd_released_bytes``) where
+    another node holds that buffer: it stays alive beside v's backward."""
+    return graph.bwd_released_bytes[v] if graph.bwd_released_bytes and grads.held_elsewhere(v) else 0
+
+
 def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     """Node v's backward: its inputs' gradients appear, its output's gradient goes.
 
@@ -193,9 +207,12 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     input is added to the first out of place (as it is under a dispatch mode, which every
     measurement here runs under; without one PyTorch adds in place, one buffer less) while all
     of v's results are alive, its incoming gradient already let go; so is a shared parameter's
-    (:class:`_SharedParams`).
+    (:class:`_SharedParams`). What of its incoming gradient v's backward lets go early
+    (``CopySlices``, once the view's backward spread it over the base) stays alive beside its
+    transient where another node holds the same buffer (:func:`_released`).
     """
     share = v if graph.grad_alias[v] else None
+    released = _released(graph, v, grads)
     again = []  # inputs that already have a gradient
     if v in grads.of:
         for p in graph.preds[v]:
@@ -206,7 +223,7 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
             else:
                 grads.give(p, graph.grad_bytes[p], share)
     incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
-    mem.note(incoming + graph.bwd_transient_bytes[v])
+    mem.note(incoming + graph.bwd_transient_bytes[v] + released)
     sums = [graph.grad_bytes[p] for p in again]
     if v in grads.of:
         sums += grads.shared.summed(v)
@@ -386,7 +403,14 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             continue
         for v in reversed(sub):
             if graph.saves_tensors(v):
+                # what v's backward made before its first unpack lives through the recomputation
+                # that unpack starts (CopySlices' base-sized gradients; see CostGraph)
+                early = 0 if recomputed else (
+                    (graph.bwd_unpack_bytes[v] if graph.bwd_unpack_bytes else 0) + _released(graph, v, grads))
+                if early:
+                    mem.alloc(("u", v), early)
                 recompute()
+                mem.free(("u", v))
             _grad_step(graph, v, mem, grads)
             for o in graph.saved[v]:
                 if o in members:

@@ -196,6 +196,41 @@ class WithUntraceable(nn.Module):
         return self.lin2(self.odd(torch.tanh(self.lin1(x))))
 
 
+def clamp_window(window, size):
+    """Fills in the list it is given, as torchvision's ``_get_window_and_shift_size`` (swin3d)."""
+    for i in range(2):
+        if size[i] <= window[i]:
+            window[i] = size[i]
+    return window
+
+
+torch.fx.wrap("clamp_window")
+
+
+class Windowed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        w = clamp_window([8, 8], [h.shape[1], h.shape[2]])
+        return self.b(h[:, : w[0], : w[1]])
+
+
+def test_a_wrapped_function_may_write_into_the_lists_it_is_given():
+    """Profiling ran the graph with the node's own (immutable) lists: "'immutable_list' object
+    does not support mutation" (torchvision's swin3d_t); the generated code builds new ones."""
+    torch.manual_seed(0)
+    plain, model = pair(Windowed())
+    x = torch.randn(2, 4, 4, 16)
+    remat = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    for m in (plain, remat):
+        m(x).square().sum().backward()
+    assert torch.equal(plain(x), remat(x))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), remat.parameters()))
+
+
 def test_untraceable_submodule_becomes_a_leaf_with_a_warning():
     torch.manual_seed(0)
     plain, model = pair(WithUntraceable())

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -632,6 +633,25 @@ def test_pruning_or_a_parametrization_after_compiling_trains_as_eager(change):
         changes[change](m)
     _assert_trains_like(with_grads(plain), with_grads(remat), x)
     assert _peak_over_budget(remat, x) <= 1.05
+
+
+def test_a_recomputed_submodule_with_forward_hooks_is_warned_about():
+    """A feature hook (an auxiliary loss's) keeps tensors the plan, profiled without user hooks,
+    does not count, and fires again in the backward: said once, where the hooked module is
+    recomputed; a module that is kept is not warned about."""
+    feats = {}
+    remat = fxremat.compile(_net(), "min", example_inputs=(X,), cost_model="flops")
+    recomputed = set(remat.plan.recomputed_nodes)
+    kept = [info.module.split(" (")[0] for info in remat.plan.nodes if info.name not in recomputed and info.module]
+    remat.get_submodule(kept[-1]).register_forward_hook(lambda mod, i, o: feats.__setitem__("f", o))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_step(remat, X)
+    remat = fxremat.compile(_net(), "min", example_inputs=(X,), cost_model="flops")
+    remat.blocks[0].bn.register_forward_hook(lambda mod, i, o: feats.__setitem__("f", o))
+    with pytest.warns(UserWarning, match=r"submodules \['blocks.0.bn'\] have forward hooks and are recomputed"):
+        train_step(remat, X)
+    assert "blocks_0_bn" in remat.plan.recomputed_nodes
 
 
 def test_a_torch_func_transform_runs_the_model_plainly():

@@ -251,5 +251,5 @@ def _plain_forward(model: torch.nn.Module, gm: fx.GraphModule, args: tuple, kwar
     """The model's plain forward, called as the user calls it, beside the captured graph's (run
     with ``use_cache=False``, it builds no key/value cache): its peak, and how much more it keeps
     at its end; both measured."""
-    kept, peak = forward_bytes(model, model, *args, **kwargs)
-    return PlainForward(peak_bytes=peak, extra_bytes=kept - forward_bytes(model, gm, *graph_inputs)[0])
+    kept, peak = forward_bytes(model, model, args, kwargs)
+    return PlainForward(peak_bytes=peak, extra_bytes=kept - forward_bytes(model, gm, tuple(graph_inputs), {})[0])

@@ -106,6 +106,10 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         cache_bytes=tuple(c.cache_bytes for c in node_costs) if any(c.cache_bytes for c in node_costs) else (),
         cache_saved_bytes=(tuple(c.cache_saved_bytes for c in node_costs)
                            if any(c.cache_bytes for c in node_costs) else ()),
+        bwd_unpack_bytes=(tuple(c.bwd_unpack_bytes for c in node_costs)
+                          if any(c.bwd_unpack_bytes for c in node_costs) else ()),
+        bwd_released_bytes=(tuple(c.bwd_released_bytes for c in node_costs)
+                            if any(c.bwd_released_bytes for c in node_costs) else ()),
         shared_params=shared,
         loss_bytes=0 if loss_output is not None else LOSS_OUTPUT_COPIES * sum(node_costs[r].out_bytes for r in out_roots),
         loss_output=loss_output,

@@ -105,6 +105,8 @@ class NodeCost:
     saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
     cache_bytes: int = 0  # autocast's cached casts of parameters it made (alive until the forward ends)
     cache_saved_bytes: int = 0  # ... those of them its backward saves (kept until it, where it is not recomputed)
+    bwd_unpack_bytes: int = 0  # what its backward holds when it first unpacks a saved tensor (see _backward_transient)
+    bwd_released_bytes: int = 0  # ... the gradient it was handed that it lets go before its peak or that unpack
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ class _AutocastCasts(TorchDispatchMode):
         super().__init__()
         self.param_keys = param_keys
         self.made: dict = {}
+        self.storages: list[weakref.ref] = []  # weak references to the casts' storages
         # (read here: inside a dispatch mode autocast reads as off)
         self.caching = torch.is_autocast_cache_enabled() and any(
             torch.is_autocast_enabled(d) for d in ("cpu", "cuda", "xpu", "mps") if torch.amp.is_autocast_available(d))
@@ -200,7 +203,30 @@ class _AutocastCasts(TorchDispatchMode):
                 and args[0].requires_grad and _storage_key(args[0]) in self.param_keys
                 and out.dtype != args[0].dtype):
             self.made[_storage_key(out)] = out.untyped_storage().nbytes()
+            self.storages.append(weakref.ref(out.untyped_storage()))
         return out
+
+
+def _track_held(tracker: LiveStorageTracker, refs, outputs, fake: bool) -> int:
+    """Have ``tracker`` count the storages of ``refs`` (weak references) that are still alive,
+    outputs' left out, until they are freed; their bytes. (A function, so that no local holds one.)"""
+    held = {s._cdata: s for s in (ref() for ref in refs) if s is not None and s._cdata not in outputs}
+    for s in held.values():
+        tracker.track_storage(s, fake=fake)
+    return sum(s.nbytes() for s in held.values())
+
+
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Autocast without its cache: each cast of a parameter is held by what reads it only, as
+    in the step's backward, which runs after the forward's autocast region (and its cache) is
+    gone."""
+    on = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(on)
 
 
 class _Seed(torch.autograd.Function):
@@ -219,6 +245,28 @@ class _Seed(torch.autograd.Function):
         grads = tuple(template.new_ones(shape) for shape, template in ctx.like)
         ctx.made.extend(weakref.ref(g.untyped_storage()) for g in grads)
         return (None, *grads)
+
+
+class _BackwardTracker(LiveStorageTracker):
+    """:class:`LiveStorageTracker` of one node's backward alone that also keeps ``own_peak``, the
+    most bytes alive beyond the gradients handed to it (:class:`_Seed`'s, weak references in
+    ``made``) that are still alive: a backward whose first autograd node lets its gradient go
+    (``CopySlices`` after a view's backward spread it over the base) peaks without it here, while
+    in a step another reader of the same gradient (the other input of an ``add``) may hold it."""
+
+    def __init__(self, made: list):
+        super().__init__()
+        self.made = made
+        self.own_peak = 0
+
+    def handed_bytes(self) -> int:
+        """Bytes of the gradients handed to the backward that are still alive."""
+        return sum(g.nbytes() for g in (ref() for ref in self.made) if g is not None)
+
+    def track(self, tensor: torch.Tensor) -> None:
+        super().track(tensor)
+        if self.made:  # (the seeds themselves, made before their references are, are not its own)
+            self.own_peak = max(self.own_peak, self.live_bytes - self.handed_bytes())
 
 
 class _Capture(torch.autograd.Function):
@@ -252,7 +300,28 @@ def _is_fake(values) -> bool:
     return any(isinstance(t, FakeTensor) for t in _tensors(values))
 
 
-class _ProfilingInterpreter(fx.Interpreter):
+def _mutable(value):
+    """``value`` with torch.fx's immutable lists and dicts (a node's arguments) made the plain
+    ones the traced code built at each call: a wrapped function may fill in the list it is given
+    (torchvision's ``_get_window_and_shift_size``: swin3d_t failed to profile)."""
+    if isinstance(value, (list, tuple)):
+        items = [_mutable(v) for v in value]
+        return items if isinstance(value, list) else type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, dict):
+        return {k: _mutable(v) for k, v in value.items()}
+    return value
+
+
+class _GraphInterpreter(fx.Interpreter):
+    """An ``fx.Interpreter`` that hands calls their arguments as the generated code does (new
+    lists and dicts), not the node's own (:func:`_mutable`)."""
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node):
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        return _mutable(args), _mutable(kwargs)
+
+
+class _ProfilingInterpreter(_GraphInterpreter):
     """Runs the graph once, recording storage ownership and saved tensors per call node."""
 
     def __init__(self, gm: fx.GraphModule, cost_model: str, repeats: int, allocator_device: torch.device | None):
@@ -313,9 +382,11 @@ class _ProfilingInterpreter(fx.Interpreter):
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, casts.made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
-            cost = replace(cost, bwd_transient_bytes=self._backward_transient(n))
+            transient, unpack, released = self._backward_transient(n)
+            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released)
         elif (view := self._written_view(n)) is not None:  # but not a write into a view
-            cost = replace(cost, bwd_transient_bytes=self._backward_transient(n, view))
+            transient, unpack, released = self._backward_transient(n, view)
+            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released)
         self.costs.append(cost)
         return out
 
@@ -325,7 +396,7 @@ class _ProfilingInterpreter(fx.Interpreter):
                  if t.requires_grad and t._is_view()]
         return views[0] if len(views) == 1 else None
 
-    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> int:
+    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> tuple[int, int, int]:
         """Peak bytes of the node's backward alone beyond the gradients it hands its inputs, run as
         a training step runs it: the forward again on detached inputs and on stand-ins for its
         parameters (:func:`_stand_in`: their ``.grad`` exists, so each parameter's gradient is
@@ -342,7 +413,19 @@ class _ProfilingInterpreter(fx.Interpreter):
         runs the op's own backward on a slice of the copy; it hands a base-sized gradient on (1.33x
         the budget where that was not counted). Here the simulator hands the written input a
         gradient of the view's size, so the transient is what the base's gradient costs beyond
-        that."""
+        that.
+
+        The second value is what the backward holds when it first unpacks a tensor its forward
+        saved, beyond the gradients it was handed: in a recomputed segment that unpack starts the
+        recomputation, which then runs beside those bytes. Most backwards unpack before they
+        allocate (0); ``CopySlices`` has made the base-sized gradient, its copy and the clone of
+        the slice's before the op's own backward unpacks (Funnel's ``positional_attn *=
+        cls_mask``, whose reader, an add, saves nothing: its segment was recomputed beside them,
+        1.25x the budget at "min"). The third is what of those handed gradients the backward
+        had let go by its peak or by that unpack (``CopySlices`` again: the view's backward
+        spreads the gradient over the base and drops it): where another node holds the same
+        gradient in the step (the other input of that add), it adds to both
+        (:class:`_BackwardTracker`; the plain peak was -6.6% on a block whose peak it is)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         leaves, stand_ins, arrived, made = [], {}, [], []
         written = None
@@ -364,20 +447,39 @@ class _ProfilingInterpreter(fx.Interpreter):
             return _Capture.apply(leaf, arrived)
 
         args, kwargs = tree_map(detach, (args, kwargs))
-        if n.op == "call_module":
-            mod = self.module.get_submodule(n.target)
-            params = {name: _stand_in(p, stand_ins) for name, p in mod.named_parameters(remove_duplicate=False)
-                      if p.requires_grad}
-            out = torch.func.functional_call(mod, params, args, kwargs)
-        else:
-            out = getattr(self, n.op)(n.target, args, kwargs)
+        tracker, allocator = _BackwardTracker(made), AllocatorPeak(self.allocator_device)
+        at_unpack = []  # (live bytes, those beyond the handed gradients) at the first unpack of a saved tensor
+
+        def unpack(t):
+            if not at_unpack:
+                at_unpack.append((tracker.live_bytes, tracker.live_bytes - tracker.handed_bytes()))
+            return t
+
+        casts = _AutocastCasts(self.param_keys)
+        with (torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), unpack), casts,
+              _autocast_cache_off() if casts.caching else contextlib.nullcontext()):
+            if n.op == "call_module":
+                mod = self.module.get_submodule(n.target)
+                params = {name: _stand_in(p, stand_ins) for name, p in mod.named_parameters(remove_duplicate=False)
+                          if p.requires_grad}
+                out = torch.func.functional_call(mod, params, args, kwargs)
+            else:
+                out = getattr(self, n.op)(n.target, args, kwargs)
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
         wrt = leaves + list(stand_ins.values())
         if not outs or not wrt:
-            return 0
+            return 0, 0, 0
         root = _Seed.apply(made, *outs)
         seed = torch.ones_like(root)
-        tracker, allocator = LiveStorageTracker(), AllocatorPeak(self.allocator_device)
+        # Autocast's casts of the parameters that the backward saves (made without the cache, so
+        # that only autograd holds them): counted as live from the start, so that the tracker sees
+        # them go when the node's own backward releases what it saved, before its parameters'
+        # gradients are cast back to their dtype (ToCopyBackward, a copy of each weight's
+        # gradient in the parameter's dtype) and accumulated. The simulator holds them
+        # (``cache_saved_bytes``) until the node's backward is done; counted as held through the
+        # copies, a convolution of 128 channels at 16x16 under bf16 autocast over-predicted the
+        # plain peak by its bf16 weight (+7.2%).
+        held = _track_held(tracker, casts.storages, {_storage_key(t) for t in _tensors(out)}, self.fake)
         with tracker, allocator:
             torch.autograd.backward(root, seed, inputs=wrt)
         incoming = sum(t.numel() * t.element_size() for t in outs)
@@ -385,7 +487,15 @@ class _ProfilingInterpreter(fx.Interpreter):
         kept = sum(tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming))
         if view is not None:
             kept -= (view._base.numel() - view.numel()) * view.element_size()
-        return max(0, tracker.peak_bytes - incoming - kept, allocator.peak_bytes - incoming - kept)
+        # (the allocator counts the casts from the start: they were allocated before it began)
+        transient = max(0, tracker.peak_bytes - incoming - kept - held, allocator.peak_bytes - incoming - kept)
+        released = max(0, tracker.own_peak - kept - transient)
+        unpack = 0
+        if at_unpack:  # (the casts are alive there: what the node saved goes after its backward)
+            live, own = at_unpack[0]
+            unpack = max(0, live - incoming - held)
+            released = max(released, own - held - unpack)
+        return transient, unpack, released
 
     def _node_params(self, n: fx.Node, out, before) -> dict[str, torch.Tensor]:
         """The parameters (that require grad) whose gradient the node's backward hands over, by
@@ -555,7 +665,7 @@ def _scalar_loss(out) -> torch.Tensor | None:
     return torch.stack(parts).sum() if parts else None
 
 
-class _ForwardClock(fx.Interpreter):
+class _ForwardClock(_GraphInterpreter):
     """Runs the graph's forward as training runs it, timing each call node where it runs: after
     its producers, with what they left in the caches and the allocator (a node timed again and
     again on its own inputs runs on hot caches and measured up to 1.4x faster on CPU). ``kind``
@@ -845,13 +955,15 @@ class PlainForward:
     extra_bytes: int = 0
 
 
-def forward_bytes(model: torch.nn.Module, fn, *args, **kwargs) -> tuple[int, int]:
+def forward_bytes(model: torch.nn.Module, fn, args: tuple, kwargs: dict, hooks: bool = True) -> tuple[int, int]:
     """``(kept, peak)``: the bytes ``fn(*args, **kwargs)`` (a forward of ``model``) allocates that
     are alive at its end (what it keeps for the backward, and its outputs), and the most alive at
-    once. ``model``'s buffers and the RNG states are put back, and its user hooks do not run (a
-    hook collecting features for the loss would collect them twice)."""
+    once. ``model``'s buffers and the RNG states are put back; its user hooks run only with
+    ``hooks`` (a traced model is profiled without them; a captured one's forward may need them:
+    Hugging Face records hidden states with forward hooks, and UperNet's decoder read ``None``)."""
     tracker = LiveStorageTracker()
-    with preserved_state(model), user_hooks_disabled(model), torch.enable_grad(), tracker:
+    with (preserved_state(model), user_hooks_disabled(model) if not hooks else contextlib.nullcontext(),
+          torch.enable_grad(), tracker):
         out = fn(*args, **kwargs)
         # autocast's cached casts (a call inside the caller's autocast region) are let go when the
         # region exits, before the backward; counted, the plain peak was predicted +50.8%
