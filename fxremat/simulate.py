@@ -168,11 +168,15 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
 
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
-            mem.alloc(("f", v), graph.out_bytes[v], graph.transient_bytes[v])
+            # the node's transient (its peak beyond what it leaves: out, cached casts, extra saved
+            # buffers) is counted on top of all it leaves, with its last allocation
+            last = "x" if not rec else "c" if graph.cache_bytes else "f"
+            transient = graph.transient_bytes[v]
+            mem.alloc(("f", v), graph.out_bytes[v], transient if last == "f" else 0)
             if graph.cache_bytes:
-                mem.alloc(("c", v), graph.cache_bytes[v])
+                mem.alloc(("c", v), graph.cache_bytes[v], transient if last == "c" else 0)
             if not rec:
-                mem.alloc(("x", v), graph.extra_bytes[v])
+                mem.alloc(("x", v), graph.extra_bytes[v], transient)
             for r in {graph.root[p] for p in graph.preds[v]}:
                 pending[r].discard(v)
                 maybe_free(r)
@@ -372,11 +376,14 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         k, runs = stop
         ran = order[:k + 1] if runs else order[:k]
         for v in ran:
-            mem.alloc(key(v), graph.out_bytes[v], graph.transient_bytes[v])
+            kept = not inner.recomputed[sub_of[v]]
+            last = "x" if kept else "c" if graph.cache_bytes else "f"
+            transient = graph.transient_bytes[v]  # on top of all the node leaves, as in the forward
+            mem.alloc(key(v), graph.out_bytes[v], transient if last == "f" else 0)
             if graph.cache_bytes:  # the recomputation runs in an autocast region of its own
-                mem.alloc(("rc", depth, v), graph.cache_bytes[v])
-            if not inner.recomputed[sub_of[v]]:
-                mem.alloc(("x", v), graph.extra_bytes[v])
+                mem.alloc(("rc", depth, v), graph.cache_bytes[v], transient if last == "c" else 0)
+            if kept:
+                mem.alloc(("x", v), graph.extra_bytes[v], transient)
             for r in {graph.root[p] for p in graph.preds[v]}:
                 if r in members:
                     needed[r].discard(v)
@@ -447,10 +454,13 @@ def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:
     """The simulator's memory after each event, and where the backward starts.
 
     :func:`fxremat.simulate.simulate` records one event per forward allocation (two per node of
-    a plain segment: its output and its extra saved buffers), one per output gradient, then the
-    loss: that event is ``backward_start``.
+    a plain segment: its output and its extra saved buffers; under autocast's cache one more, its
+    cached casts, and one per node of a plain segment where the cache goes at the forward's end:
+    what it saves of them), one per output gradient, then the loss: that event is
+    ``backward_start``.
     """
     _, events = simulate(graph, schedule, timeline=True)
-    forward = sum(len(seg) * (1 if rec else 2) for seg, rec in zip(schedule.segments, schedule.recomputed))
+    cache = 1 if graph.cache_bytes else 0
+    forward = sum(len(seg) * (1 + cache if rec else 2 + 2 * cache) for seg, rec in zip(schedule.segments, schedule.recomputed))
     out_grads = len(graph.gradient_outputs())
     return Timeline(tuple(events), forward + out_grads)
