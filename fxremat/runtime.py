@@ -29,7 +29,7 @@ __all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "put_
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
-    """``tensor.copy_(value)`` (under ``no_grad``), resized first where it changed size since
+    """``tensor.copy_(value)`` (its callers hold ``no_grad``), resized first where it changed size since
     ``value`` was taken: a quantization observer's ``min_val`` has shape ``[0]`` until its first
     forward (``prepare_qat`` then compile: "The size of tensor a (8) must match ... (0)")."""
     if tensor.shape != value.shape:

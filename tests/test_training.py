@@ -168,6 +168,15 @@ class WideConvsCaptured(WideConvs):
         return self.head(self.body(args[0]))
 
 
+def _bf16_step(x):
+    """A training step on ``x``: the forward under CPU bf16 autocast, the loss in fp32."""
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        loss_of(out.float()).backward()
+    return step
+
+
 @pytest.mark.parametrize("net", [WideConvs, WideConvsCaptured], ids=["traced", "captured"])
 @pytest.mark.parametrize("budget", [0.7, "min"])
 def test_autocasts_cached_casts_are_in_the_plan(net, budget):
@@ -177,11 +186,7 @@ def test_autocasts_cached_casts_are_in_the_plan(net, budget):
     torch.manual_seed(0)
     plain, model = pair(net())
     x = torch.randn(2, 3, 16, 16)
-
-    def step(m):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = m(x)
-        loss_of(out.float()).backward()
+    step = _bf16_step(x)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         compiled = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops")
@@ -204,11 +209,7 @@ def test_autocast_plain_peak_is_predicted(net):
     torch.manual_seed(0)
     plain, model = pair(net())
     x = torch.randn(2, 3, 16, 16)
-
-    def step(m):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = m(x)
-        loss_of(out.float()).backward()
+    step = _bf16_step(x)
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         predicted = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops").baseline_peak_bytes

@@ -304,9 +304,13 @@ def _mutable(value):
     """``value`` with torch.fx's immutable lists and dicts (a node's arguments) made the plain
     ones the traced code built at each call: a wrapped function may fill in the list it is given
     (torchvision's ``_get_window_and_shift_size``: swin3d_t failed to profile)."""
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, list):
+        return [_mutable(v) for v in value]
+    if isinstance(value, tuple):  # a tuple's own type kept (a torch.Size, a named tuple)
         items = [_mutable(v) for v in value]
-        return items if isinstance(value, list) else type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
         return {k: _mutable(v) for k, v in value.items()}
     return value
