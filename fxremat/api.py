@@ -495,7 +495,7 @@ def _traced_call(model: torch.nn.Module, example_inputs, leaf_modules, api: str,
     gm = _traced(model, leaf_modules, api, can_capture=True, example_inputs=example_inputs)
     args, kwargs = _example_call(example_inputs)
     if gm is None:  # captured per call: example_inputs as a dict are keyword inputs
-        captured = capture_call(model, args, kwargs)
+        captured = capture_call(model, args, kwargs, leaf_modules=leaf_modules)
         return captured.graph_module, captured.inputs(args, kwargs), captured.plain
     if inputs is None:  # keyword inputs of a traced forward: its placeholders in order
         bound = inspect.signature(model.forward).bind(**example_inputs)
@@ -552,16 +552,12 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
     torch.export (:mod:`fxremat.passes.capture`): one whose forward takes ``*args``, as the
     decorated forwards of Hugging Face models do, which torch.fx cannot make placeholders for, or,
     where ``can_capture`` (example inputs are captured at once, so a failure still raises at the
-    call) and no ``leaf_modules`` are asked for, one whose top-level forward torch.fx cannot trace
+    call), one whose top-level forward torch.fx cannot trace
     (a loss module built in ``forward``, as DeBERTa-v2's; a check of the input's shape, as
-    CrossViT's), which torch.export, running the code on tensors of known shapes, can."""
+    CrossViT's), which torch.export, running the code on tensors of known shapes, can. Either way
+    the ``leaf_modules`` are kept whole in the capture too."""
     reason = varargs_reason(model)
-    if reason is not None:
-        if leaf_modules:
-            raise TypeError(
-                f"fxremat.{api}: leaf_modules={tuple(leaf_modules)!r} needs torch.fx, which cannot trace "
-                f"this model ({reason}); fxremat captures it with torch.export, which keeps no leaves: "
-                f"drop leaf_modules=, or compile the submodules instead")
+    if reason is not None:  # (leaf_modules are kept whole in the capture too)
         log.info("fxremat: %s; capturing each input signature with torch.export", reason)
         return None
     with _stage("tracing", type(model).__name__), warnings.catch_warnings(record=True) as said:
@@ -574,7 +570,7 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
                 traced = trace(model, leaf_modules=leaf_modules, concrete_args=dict.fromkeys(none))
                 traced.meta[_NONE_ARGS] = none
         except TraceError as exc:
-            if exc.qualified_name or leaf_modules or not can_capture:
+            if exc.qualified_name or not can_capture:
                 _warn_again(said)
                 raise
             # what the failed trace said (submodules made leaves) is not true of the capture: logged only
@@ -1621,7 +1617,7 @@ class RematModule(torch.nn.Module):
             start = time.perf_counter()
             with _training_mode(state.model):
                 with _stage("capturing", f"{type(state.model).__name__} with torch.export"):
-                    captured = capture_call(state.model, args, kwargs)
+                    captured = capture_call(state.model, args, kwargs, leaf_modules=state.config.leaf_modules)
                 state.settings.refresh()  # the capture ran the forward's Python
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))

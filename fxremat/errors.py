@@ -76,7 +76,7 @@ class TraceError(RuntimeError):
                 f"pass leaf_modules=({qualified_name!r},) (or its class) so fxremat treats it as one node"
                 if qualified_name
                 else "make its forward traceable by torch.fx (no Python control flow on tensor values), or pass "
-                     "example_inputs= (and no leaf_modules=), with which fxremat captures a forward torch.fx cannot "
+                     "example_inputs=, with which fxremat captures a forward torch.fx cannot "
                      "trace with torch.export"
             )
         super().__init__(f"fxremat: could not trace {what}{at}: {type(cause).__name__}: {cause}; {hint}")

@@ -94,8 +94,15 @@ def test_decorated_forward_is_captured_and_trains_like_plain():
         m(x=x).square().sum().backward()
     for p, q in zip(plain.parameters(), remat.parameters()):
         assert torch.equal(p.grad, q.grad)
-    with pytest.raises(TypeError, match="leaf_modules=.*torch.export"):
-        fxremat.compile(_DecoratedForward(), "min", leaf_modules=("lin",))
+    # leaf_modules= are kept whole in the capture too (refused before: export kept no leaves)
+    model = _DecoratedForward()
+    plain = copy.deepcopy(model)
+    remat = fxremat.compile(model, "min", example_inputs={"x": x}, cost_model="flops", leaf_modules=("lin",))
+    assert [n.target for n in remat._remat.last[3].graph_module.graph.nodes if n.op == "call_module"] == ["lin"]
+    for m in (plain, remat):
+        m(x=x).square().sum().backward()
+    for p, q in zip(plain.parameters(), remat.parameters()):
+        assert torch.equal(p.grad, q.grad)
 
 
 class _Branches(torch.nn.Module):

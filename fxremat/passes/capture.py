@@ -33,6 +33,19 @@ whose fake kernel runs the forward on export's fake tensors), and that op is the
 call of ``SomeFunction.apply`` itself, as in a traced model: it runs, and is recomputed, with its
 own backward.
 
+Export cannot capture code that branches on a tensor's value (``if not torch.isfinite(h).all():``
+in every encoder layer of DETR, Conditional DETR and Mask2Former in training; ``Gumbel(...)``'s
+argument check in GroupViT; the random size choice and the detection code of torchvision's
+Faster R-CNN). Where the failing line runs inside a submodule, the submodules of its class become
+opaque and the call is captured again (:func:`capture_call`, with a ``UserWarning`` naming them,
+the line and the cause): each call of one is recorded as one ``fxremat::module_call`` op, whose
+fake kernel returns outputs shaped as that call's outputs in a plain run of the model (made once
+beforehand, state put back), and the op then becomes a ``call_module`` node of the submodule, a
+leaf as in a traced model: it runs as written, and is kept or recomputed whole. The innermost
+submodule whose code was running is chosen, so the rest of the model stays a graph of ATen ops.
+A failure in the top-level ``forward``'s own code (a check of the labels' values, as Hugging
+Face's CTC heads make) still raises :class:`fxremat.TraceError`, naming the line.
+
 The graph is specialised to the call's input shapes and to its non-tensor arguments, so
 :class:`fxremat.RematModule` captures once per input signature. A forward with a ``use_cache``
 parameter that the call does not set gets ``use_cache=False``, as Hugging Face's own training
@@ -41,9 +54,12 @@ with checkpointing does (the output then has no key/value cache).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 import inspect
 import logging
+import operator
 import warnings
 from dataclasses import dataclass, field
 
@@ -53,11 +69,11 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from ..errors import TraceError
-from .profile import PlainForward, forward_bytes
-from .trace import (function_call, functions_routed, own_checkpoint_warning, own_checkpoints_seen, restore_modes,
-                    user_line)
+from .profile import PlainForward, forward_bytes, preserved_state
+from .trace import (function_call, functions_routed, hooked_modules, own_checkpoint_warning, own_checkpoints_seen,
+                    restore_modes, trace, user_line, varargs_reason)
 
-__all__ = ["Captured", "capture_call"]
+__all__ = ["Captured", "capture_call", "tensor_leaves"]
 
 log = logging.getLogger("fxremat")
 
@@ -213,30 +229,368 @@ def _functions_kept_whole(model: torch.nn.Module, gm: fx.GraphModule, calls: dic
         restore_modes(gm)
 
 
-def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
+@dataclass(frozen=True)
+class _TensorMeta:
+    """What the captured graph needs of a tensor an opaque submodule returned: its metadata."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_TensorMeta":
+        return _TensorMeta(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+@dataclass
+class _PlainCall:
+    """One call of an opaque submodule in the plain run: its tensor inputs' and outputs' metadata,
+    and its output's structure (its non-tensor leaves as they were)."""
+
+    inputs: dict  # see _argument_shapes
+    out_leaves: list  # a _TensorMeta for each tensor, the value itself for the rest
+    out_spec: TreeSpec
+
+
+@dataclass
+class _ModuleCall:
+    """One call of an opaque submodule met while capturing: its path, its flattened arguments
+    (fake tensors and constants) and the plain call it stands for."""
+
+    path: str
+    leaves: list
+    spec: TreeSpec
+    plain: _PlainCall
+
+
+_MODULE_CALLS: dict[int, _ModuleCall] = {}  # the opaque calls of the capture in progress
+
+
+@torch.library.custom_op("fxremat::module_call", mutates_args=())
+def _module_call(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Stands for the opaque submodule call ``_MODULE_CALLS[call]`` in a graph being captured;
+    replaced by a ``call_module`` node (:func:`_modules_kept_whole`) before the graph runs."""
+    raise RuntimeError("fxremat: a captured opaque submodule call was left unconverted")
+
+
+@_module_call.register_fake
+def _module_call_fake(call: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    outs = [m for m in _MODULE_CALLS[call].plain.out_leaves if isinstance(m, _TensorMeta)]
+    return [torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device) for m in outs]
+
+
+class _OpaqueMismatch(Exception):
+    """An opaque submodule (``path``) was called while capturing otherwise than in the plain run."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+
+
+# What an opaque submodule's call may take besides tensors: values a graph holds as constants. (An
+# object holding tensors, as torchvision's ImageList, would be held with the tensors of the capture.)
+_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+              torch.memory_format, enum.Enum)
+# What it may return besides tensors: no Python number, which may come from tensor values and which
+# a graph would hold fixed, and no object.
+_RETURNED_CONSTANTS = (type(None), str, torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
+
+
+def _argument_shapes(forward, args: tuple, kwargs: dict) -> dict[str, list]:
+    """``{argument name: [(shape, dtype) of each tensor in it]}`` of a call of ``forward``. A call
+    while capturing is compared with its plain call by name: Hugging Face passes a mask under
+    export where its plain forward passes ``None`` (DETR's encoder layers)."""
+    try:
+        bound = inspect.signature(forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature to bind to: the tensors in order
+        bound = {"*": (args, kwargs)}
+    return {name: [(tuple(x.shape), x.dtype) for x in tree_flatten(value)[0] if isinstance(x, torch.Tensor)]
+            for name, value in bound.items()}
+
+
+def tensor_leaves(out) -> tuple:
+    """The tensors of an opaque submodule's output (a ``ModelOutput``, a dict, nested tuples), in
+    pytree order: what the captured graph read of it."""
+    return tuple(x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _forwards_replaced(modules: dict, make):
+    """Each module of ``modules`` (path -> module) has ``make(path, its forward)`` as its forward
+    for the duration of the block (an instance attribute; whatever the instance held comes back)."""
+    held = {}
+    for path, module in modules.items():
+        held[path] = module.__dict__.get("forward")
+        module.forward = make(path, module.forward)
+    try:
+        yield
+    finally:
+        for path, module in modules.items():
+            if held[path] is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = held[path]
+
+
+def _plain_calls(model: torch.nn.Module, modules: dict, args: tuple, kwargs: dict) -> dict[str, list[_PlainCall]]:
+    """The calls of ``modules`` in one plain run of ``model(*args, **kwargs)`` (no gradients; its
+    buffers and the RNG states put back): what each took and returned."""
+    calls: dict[str, list[_PlainCall]] = {path: [] for path in modules}
+
+    def recording(path, forward):
+        def call(*a, **k):
+            out = forward(*a, **k)
+            leaves, spec = tree_flatten(out)
+            inputs = _argument_shapes(forward, a, k)
+            calls[path].append(_PlainCall(inputs, [_TensorMeta.of(x) if isinstance(x, torch.Tensor) else x
+                                                   for x in leaves], spec))
+            return out
+        return call
+
+    with preserved_state(model), torch.no_grad(), _forwards_replaced(modules, recording):
+        model(*args, **kwargs)
+    return calls
+
+
+def _opaque(modules: dict, plain: dict[str, list[_PlainCall]]):
+    """``make`` for :func:`_forwards_replaced` while capturing: the n-th call of a module is one
+    ``fxremat::module_call`` op shaped as its n-th plain call."""
+    seen = dict.fromkeys(modules, 0)
+
+    def make(path, forward):
+        def call(*a, **k):
+            n, seen[path] = seen[path], seen[path] + 1
+            if n >= len(plain[path]):
+                raise _OpaqueMismatch(path, f"it was called {n + 1} times while captured and {len(plain[path])} "
+                                            "times when run plainly")
+            record = plain[path][n]
+            leaves, spec = tree_flatten((a, k))
+            tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+            shapes = _argument_shapes(forward, a, k)
+            differ = [name for name in shapes.keys() & record.inputs.keys()
+                      if shapes[name] and record.inputs[name] and shapes[name] != record.inputs[name]]
+            if differ:
+                raise _OpaqueMismatch(path, f"its call {n} took {differ[0]!r} of shapes {shapes[differ[0]]} while "
+                                            f"captured and {record.inputs[differ[0]]} when run plainly")
+            odd = next((x for x in leaves if not isinstance(x, (torch.Tensor, *_CONSTANTS))), None)
+            if odd is not None:
+                raise _OpaqueMismatch(path, f"its call {n} takes an object of type {type(odd).__name__}, which a "
+                                            "graph would hold as it was while captured")
+            odd = next((x for x in record.out_leaves if not isinstance(x, (_TensorMeta, *_RETURNED_CONSTANTS))), None)
+            if odd is not None:
+                what = (f"the Python number {odd!r}" if isinstance(odd, (bool, int, float, complex))
+                        else f"an object of type {type(odd).__name__}")
+                raise _OpaqueMismatch(path, f"its call {n} returns {what}, which a graph would hold fixed")
+            key = len(_MODULE_CALLS)
+            _MODULE_CALLS[key] = _ModuleCall(path, leaves, spec, record)
+            outs = iter(_module_call(key, tensors))
+            return tree_unflatten([next(outs) if isinstance(m, _TensorMeta) else m for m in record.out_leaves],
+                                  record.out_spec)
+        return call
+
+    return make
+
+
+def _modules_kept_whole(gm: fx.GraphModule, calls: dict[int, _ModuleCall], modules: dict) -> None:
+    """Each ``fxremat::module_call`` node of ``gm`` becomes a ``call_module`` node of its submodule
+    (installed in ``gm`` under its qualified name); in place."""
+    graph = gm.graph
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.fxremat.module_call.default]
+    for path in {calls[n.args[0]].path for n in ops}:
+        gm.add_submodule(path, modules[path])
+    for node in ops:
+        entry = calls[node.args[0]]
+        it = iter(node.args[1])
+        args, kwargs = tree_unflatten([next(it) if isinstance(x, torch.Tensor) else x for x in entry.leaves],
+                                      entry.spec)
+        out_leaves, out_spec = entry.plain.out_leaves, entry.plain.out_spec
+        at = [i for i, m in enumerate(out_leaves) if isinstance(m, _TensorMeta)]  # the op's i-th output's leaf
+        with graph.inserting_before(node):
+            call = graph.call_module(entry.path, tuple(args), kwargs)
+            call.meta.update({k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace")})
+            if out_spec.is_leaf():
+                single = call
+            elif out_spec.type in (tuple, list) and out_spec.num_children == len(out_leaves):
+                single = None
+            else:  # a ModelOutput, a dict, nested tuples: its tensors in pytree order
+                single = graph.call_function(tensor_leaves, (call,))
+                at = list(range(len(at)))
+        for user in list(node.users):
+            if single is call:
+                user.replace_all_uses_with(call)
+                graph.erase_node(user)
+                continue
+            with graph.inserting_before(user):
+                picked = graph.call_function(operator.getitem, (single or call, at[user.args[1]]))
+            picked.meta.update(user.meta)
+            user.replace_all_uses_with(picked)
+            graph.erase_node(user)
+        graph.erase_node(node)
+    if ops:
+        graph.lint()
+        gm.recompile()
+
+
+def _failing_submodule(model: torch.nn.Module, exc: BaseException) -> str:
+    """The qualified name of the innermost submodule of ``model`` whose code was running where
+    ``exc`` (or the exception it was raised from) came from; ``""`` for the top-level forward's own."""
+    paths = {id(m): path for path, m in model.named_modules()}
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found, tb = None, exc.__traceback__
+        while tb is not None:
+            owner = tb.tb_frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+                found = paths[id(owner)]
+            tb = tb.tb_next
+        if found:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return ""
+
+
+_MAX_OPAQUE_ROUNDS = 16
+
+
+def _cause_of_type(exc: BaseException | None, cls: type):
+    """``exc`` or the first exception it was raised from (or during) that is a ``cls``, or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, cls):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict) -> tuple:
+    """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
+    checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
+    module) recorded as one op each."""
+    checkpoints: list[str] = []
+    plain = _plain_calls(model, opaque, args, kwargs) if opaque else {}
+    try:
+        with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
+              _forwards_replaced(opaque, _opaque(opaque, plain))):
+            exported = torch.export.export(model, tuple(args), kwargs, strict=False)
+    finally:
+        calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)
+        _CALLS.clear()
+        _MODULE_CALLS.clear()
+    return exported, calls, module_calls, checkpoints
+
+
+def _compilable_child(model: torch.nn.Module, tries: int = 3) -> str | None:
+    """The name of the child of ``model`` with the most parameters (of the ``tries`` largest) that
+    ``fxremat.compile`` takes without example inputs: one captured per call (its forward takes
+    ``*args``) or one whose top-level forward torch.fx traces (Faster R-CNN's ``roi_heads`` does
+    not; its ``backbone`` does)."""
+    children = sorted(((sum(p.numel() for p in m.parameters()), name, m) for name, m in model.named_children()),
+                      key=lambda c: -c[0])
+    for size, name, child in children[:tries]:
+        if not size:
+            break
+        if varargs_reason(child) is not None:
+            return name
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trace(child)
+        except TraceError:
+            continue
+        return name
+    return None
+
+
+def _refused_hint(model: torch.nn.Module, failing: str, kept: bool = True) -> str:
+    """What to do when the capture fails in the top-level forward's own code (``failing == ""``), in
+    a submodule kept whole already (``kept``), or in one that cannot be kept whole (``not kept``)."""
+    biggest = _compilable_child(model)
+    instead = ("compile the submodule that does the work in place"
+               + (f" (model.{biggest} = fxremat.compile(model.{biggest}, budget): the same parameters and "
+                  "state_dict keys; the rest of the forward then runs plainly)" if biggest else ""))
+    if failing and kept:
+        return f"{failing!r} is kept whole already and the capture still failed there; {instead}"
+    if failing:
+        return f"torch.export could not capture its code at that line, and it cannot be kept whole either; {instead}"
+    return ("torch.export could not capture this call either, and the line is in the top-level forward's own code "
+            "(a submodule's would be kept whole); make the code at that line work on tensors whose values are "
+            "unknown (no Python branch on a tensor's value), or compute it outside the model (a check of the "
+            f"labels, the loss), or {instead}")
+
+
+def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) -> tuple:
+    """:func:`_export` with the submodules ``given`` opaque, and those whose code export cannot
+    capture, each class at once (one line of its code failed: its other instances run it too),
+    warned about."""
+    opaque: dict[str, torch.nn.Module] = dict(given)
+    said = []  # (failing path, its class, the paths made opaque, line, cause) of each round
+    for _ in range(_MAX_OPAQUE_ROUNDS):
+        try:
+            result = _export(model, args, kwargs, opaque)
+            break
+        except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
+            mismatch = _cause_of_type(exc, _OpaqueMismatch)
+            if mismatch is not None:
+                where = next((w for _, _, paths, w, _ in said if mismatch.path in paths), None)
+                raise TraceError(mismatch.path, mismatch, module_class=type(opaque[mismatch.path]).__name__,
+                                 where=where, hint=_refused_hint(model, mismatch.path, kept=False)) from exc
+            failing = _failing_submodule(model, exc)
+            where = user_line(exc)
+            if not failing or failing in opaque:
+                raise TraceError(failing, exc, module_class=type(model.get_submodule(failing)).__name__,
+                                 where=where, hint=_refused_hint(model, failing)) from exc
+            cls = type(model.get_submodule(failing))
+            same = {p: m for p, m in model.named_modules() if type(m) is cls and p
+                    and not any(p.startswith(o + ".") for o in opaque)}
+            hooked = sorted(same.keys() & hooked_modules(model))
+            if hooked:  # export ran its hooks into the graph around the call, which would run them again
+                raise TraceError(hooked[0], exc, module_class=cls.__name__, where=where, hint=(
+                    "torch.export could not capture its code, and fxremat would keep it whole, but it has user hooks, "
+                    "which the captured graph would run twice; remove its hooks, or compile the submodules that do "
+                    "the work")) from exc
+            opaque.update(same)
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            said.append((failing, cls.__name__, tuple(same), where, cause))
+    else:
+        raise TraceError("", RuntimeError(f"more than {_MAX_OPAQUE_ROUNDS} classes of submodules failed to capture"),
+                         module_class=type(model).__name__)
+    for failing, cls, paths, where, cause in said:
+        warnings.warn(
+            f"fxremat: torch.export could not capture submodule {failing!r} ({cls}) at {where} ({cause[:300]}); "
+            + ("it is kept as one leaf node" if len(paths) == 1 else
+               f"the {len(paths)} {cls} submodules are kept as one leaf node each "
+               f"({', '.join(map(repr, paths[:8]))}{', ...' if len(paths) > 8 else ''})")
+            + f": run as written, kept or recomputed whole, the rest of the model captured around them. Pass "
+            f"leaf_modules=({cls},) to silence this warning.", stacklevel=4)
+    return (*result, opaque)
+
+
+def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modules=()) -> Captured:
     """Capture ``model(*args, **kwargs)`` in training mode with ``torch.export`` (see the module
-    docstring). Raises :class:`fxremat.TraceError` naming the model's class and the line of its
-    code that failed."""
+    docstring), the submodules ``leaf_modules`` names (classes or qualified names) and those whose
+    code it cannot capture kept whole. Raises :class:`fxremat.TraceError` naming the module's
+    class and the line of its code that failed."""
     added = _added_kwargs(model, args, kwargs)
     if added:
         log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
-    checkpoints: list[str] = []
-    try:
-        with functions_routed(_as_one_op), own_checkpoints_seen(checkpoints):
-            exported = torch.export.export(model, tuple(args), {**kwargs, **added}, strict=False)
-    except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
-        where = user_line(exc)
-        raise TraceError("", exc, module_class=type(model).__name__, where=where, hint=(
-            "torch.export could not capture this call either; make the code at that line work on "
-            "tensors whose values are unknown (no Python branch on a tensor's value), or compile "
-            "the submodules that do the work")) from exc
-    finally:
-        calls = dict(_CALLS)
-        _CALLS.clear()
+    classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+    given = {path: m for path, m in model.named_modules()
+             if path and (path in leaf_modules or isinstance(m, classes))}
+    given = {p: m for p, m in given.items() if not any(p.startswith(o + ".") for o in given)}  # outermost
+    hooked = sorted(given.keys() & hooked_modules(model))
+    if hooked:
+        raise TypeError(f"fxremat: leaf_modules keeps submodule {hooked[0]!r} whole in a model captured with "
+                        f"torch.export, but it has user hooks, which the captured graph would run twice; remove its "
+                        f"hooks, or leave it out of leaf_modules")
+    exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given)
     if checkpoints:
         warnings.warn(own_checkpoint_warning(model, checkpoints[0]), stacklevel=3)
     gm, kept = _flat_graph(exported)
     _functions_kept_whole(model, gm, calls)
+    _modules_kept_whole(gm, module_calls, opaque)
     spec = exported.call_spec
     captured = Captured(gm, spec.in_spec, spec.out_spec, kept, added)
     # a model that checkpoints itself keeps less at its forward's end than the graph, which holds

@@ -1,0 +1,236 @@
+"""A captured model (torch.export) whose submodules branch on a tensor's value keeps those submodules
+whole: each is one leaf node, run as written, the rest captured around it; the model trains
+bitwise as eager within its budget. A failure in the top-level forward's own code is refused,
+naming the line.
+
+The patterns are those that refused whole models before: a training-only
+``if not torch.isfinite(h).all():`` in every encoder layer (Hugging Face's DETR, Conditional DETR,
+Mask2Former), a random choice read with ``.item()`` (torchvision's Faster R-CNN transform),
+a value check inside a distribution (GroupViT's Gumbel sampling), a data-dependent number of
+elements (detection code), a check of the labels' values in the top-level forward (Hugging Face's
+CTC heads)."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxremat
+from _models import assert_same_state, pair
+
+
+def _decorated(forward):
+    """A wrapper taking ``(self, *args, **kwargs)``, as Hugging Face puts around every forward:
+    torch.fx cannot make placeholders for it, so fxremat captures the model with torch.export."""
+
+    @functools.wraps(forward)
+    def wrapper(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    return wrapper
+
+
+class _FiniteCheckLayer(nn.Module):
+    """DETR's encoder layer: a training-only clamp behind a check of the values."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+        self.norm = nn.BatchNorm1d(width)
+
+    def forward(self, h, scale=None):
+        r = h
+        h = F.dropout(F.gelu(self.fc1(h)), p=0.2, training=self.training)
+        h = self.norm(r + self.fc2(h))
+        if self.training and not torch.isfinite(h).all():
+            h = h.clamp(-1e4, 1e4)
+        return h
+
+
+class _RandomResize(nn.Module):
+    """Faster R-CNN's transform: a size chosen at random, read as a Python int."""
+
+    def __init__(self, sizes=(1, 2)):
+        super().__init__()
+        self.sizes = sizes
+
+    def forward(self, x):
+        index = int(torch.empty(1).uniform_(0.0, float(len(self.sizes))).item())
+        return x * self.sizes[index]
+
+
+class _KeepPositive(nn.Module):
+    """Detection code: a data-dependent number of elements, and a branch on it."""
+
+    def forward(self, x):
+        keep = torch.nonzero(x.sum(-1) > 0).squeeze(-1)
+        if keep.numel() == 0:
+            return x.sum(0, keepdim=True) * 0
+        return x.index_select(0, keep).mean(0, keepdim=True) + x
+
+
+class _Gumbel(nn.Module):
+    """GroupViT's sampling: a torch.distributions object checks its arguments' values."""
+
+    def forward(self, logits):
+        gumbel = torch.distributions.Gumbel(torch.zeros((), dtype=logits.dtype), torch.ones((), dtype=logits.dtype))
+        return (logits + gumbel.sample(logits.shape)).softmax(-1)
+
+
+class _Detector(nn.Module):
+    """All of the above inside a model captured with torch.export."""
+
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        self.resize = _RandomResize()
+        self.stem = nn.Linear(width, width)
+        self.layers = nn.ModuleList(_FiniteCheckLayer(width) for _ in range(depth))
+        self.mid = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)])
+        self.keep, self.gumbel = _KeepPositive(), _Gumbel()
+        self.head = nn.Linear(width, 5)
+
+    @_decorated
+    def forward(self, x, labels):
+        h = self.stem(self.resize(x))
+        for layer in self.layers:
+            h = layer(h)
+        h = self.keep(self.mid(h))
+        return F.cross_entropy(self.head(self.gumbel(h)), labels)
+
+
+def _step(model, x, labels):
+    torch.manual_seed(1)
+    model(x, labels).backward()
+
+
+def test_submodules_export_cannot_capture_are_kept_whole_and_train_exactly_within_budget():
+    torch.manual_seed(0)
+    plain, model = pair(_Detector())
+    x, labels = torch.randn(256, 64), torch.randint(0, 5, (256,))
+    with pytest.warns(UserWarning) as said:
+        compiled = fxremat.compile(model, "min", example_inputs={"x": x, "labels": labels}, cost_model="flops")
+    messages = [str(w.message) for w in said if "torch.export could not capture" in str(w.message)]
+    assert any("'layers.0' (_FiniteCheckLayer)" in m and "torch.isfinite(h).all()" in m
+               and "the 4 _FiniteCheckLayer submodules" in m for m in messages), messages
+    assert any("'resize' (_RandomResize)" in m and "leaf_modules=(_RandomResize,)" in m for m in messages), messages
+    assert any("'keep' (_KeepPositive)" in m for m in messages), messages
+    assert any("'gumbel' (_Gumbel)" in m for m in messages), messages
+    gm = compiled._remat.last[3].graph_module  # the captured graph
+    captured = {n.target for n in gm.graph.nodes if n.op == "call_module"}
+    assert captured == {"resize", "layers.0", "layers.1", "layers.2", "layers.3", "keep", "gumbel"}, captured
+    assert any(n.target is torch.ops.aten.linear.default for n in gm.graph.nodes)  # the rest: ATen ops
+
+    opt_a, opt_b = torch.optim.SGD(plain.parameters(), lr=0.1), torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for _ in range(2):  # the second step's peak is the activations' (.grad allocated by the first)
+        for m, opt in ((plain, opt_a), (compiled, opt_b)):
+            _step(m, x, labels)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    assert_same_state(plain, compiled)  # parameters, BatchNorm statistics (dropout drew alike)
+    _, plain_peak = fxremat.measure_peak(_step, plain, x, labels)
+    _, peak = fxremat.measure_peak(_step, compiled, x, labels)
+    for m in (plain, compiled):
+        for p in m.parameters():
+            p.grad = None
+    _step(plain, x, labels)
+    _step(compiled, x, labels)
+    assert_same_state(plain, compiled)  # the gradients of one step, bitwise
+    assert any(s.recomputed for s in compiled.plan.segments)
+    assert peak <= 1.05 * compiled.plan.budget_bytes, (peak, compiled.plan.budget_bytes)
+    assert peak <= 0.75 * plain_peak, (peak, plain_peak)
+
+
+class _LabelCheck(nn.Module):
+    """Hugging Face's CTC heads: a check of the labels' values in the top-level forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(16, 8)
+
+    @_decorated
+    def forward(self, x, labels):
+        if labels.max() >= 8:
+            raise ValueError("labels out of range")
+        return F.cross_entropy(self.body(x), labels)
+
+
+def test_a_value_check_in_the_top_level_forward_is_refused_naming_the_line():
+    inputs = {"x": torch.randn(4, 16), "labels": torch.randint(0, 8, (4,))}
+    refused = (r"(?s)top-level module \(_LabelCheck\) at .*test_capture_leaves.py:\d+ "
+               r"\(forward: if labels.max\(\) >= 8:\).*top-level forward's own code"
+               r".*model.body = fxremat.compile\(model.body, budget\)")
+    with pytest.raises(fxremat.TraceError, match=refused):
+        fxremat.compile(_LabelCheck(), "min", example_inputs=inputs)
+
+
+class _ReturnsANumber(nn.Module):
+    def forward(self, h):
+        return h.relu(), int(h.argmax())
+
+
+class _UsesANumber(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.pick = nn.Linear(16, 16), _ReturnsANumber()
+
+    @_decorated
+    def forward(self, x):
+        h, i = self.pick(self.body(x))
+        return h[:, i % 16].sum()
+
+
+def test_a_submodule_returning_a_number_computed_from_a_tensor_is_refused_naming_it():
+    with pytest.raises(fxremat.TraceError, match=r"submodule 'pick' \(_ReturnsANumber\).*Python number"):
+        fxremat.compile(_UsesANumber(), "min", example_inputs={"x": torch.randn(4, 16)})
+
+
+def test_leaf_modules_of_a_captured_model_are_kept_whole_without_a_warning():
+    model = _Detector(width=16, depth=2)
+    classes = (_FiniteCheckLayer, _RandomResize, _KeepPositive, _Gumbel)
+    inputs = {"x": torch.randn(8, 16), "labels": torch.randint(0, 5, (8,))}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*could not capture")
+        compiled = fxremat.compile(model, "min", example_inputs=inputs, cost_model="flops", leaf_modules=classes)
+    gm = compiled._remat.last[3].graph_module
+    assert {n.target for n in gm.graph.nodes if n.op == "call_module"} == {"resize", "layers.0", "layers.1", "keep",
+                                                                          "gumbel"}
+
+
+def test_a_submodule_kept_whole_with_user_hooks_is_refused_naming_it():
+    model = _Detector(width=16, depth=2)
+    model.layers[1].register_forward_hook(lambda module, args, out: out * 2)
+    inputs = {"x": torch.randn(8, 16), "labels": torch.randint(0, 5, (8,))}
+    with pytest.raises(fxremat.TraceError, match=r"(?s)submodule 'layers.1' \(_FiniteCheckLayer\).*user hooks"):
+        fxremat.compile(model, "min", example_inputs=inputs, cost_model="flops")
+
+
+class _Boxed:
+    """An object holding a tensor, as torchvision's ImageList: no pytree looks into it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _ReturnsAnObject(nn.Module):
+    def forward(self, h):
+        if h.sum() > 0:  # export cannot capture it: kept whole, were it not for its output
+            h = h * 2
+        return _Boxed(h)
+
+
+class _UsesAnObject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.box = nn.Linear(16, 16), _ReturnsAnObject()
+
+    @_decorated
+    def forward(self, x):
+        return self.box(self.body(x)).tensor.sum()
+
+
+def test_a_submodule_returning_an_object_holding_tensors_is_refused_naming_it():
+    with pytest.raises(fxremat.TraceError, match=r"submodule 'box' \(_ReturnsAnObject\).*returns an object of type _Boxed"):
+        fxremat.compile(_UsesAnObject(), "min", example_inputs={"x": torch.randn(4, 16)})
