@@ -56,10 +56,11 @@ class CostGraph:
     saved-tensor hooks of the tensors v saves, and making them again in the backward; 0 when the
     costs are not measured on a clock).
 
-    The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to allocate
-    while the backward starts; ``loss_output`` the index of a one-element differentiable output
-    when the model returns its loss (Hugging Face models given ``labels=``), from which alone the
-    backward starts (``loss_bytes`` is then 0), else ``None``.
+    The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to hold at its
+    peak, while the backward starts, beyond the outputs' gradients (a cross-entropy per output:
+    :func:`fxremat.passes.lower._loss_bytes`); ``loss_output`` the index of a one-element
+    differentiable output when the model returns its loss (Hugging Face models given
+    ``labels=``), from which alone the backward starts (``loss_bytes`` is then 0), else ``None``.
 
     ``cache_bytes[v]`` (empty: none anywhere): autocast's cached casts of parameters that v made
     (bf16 copies of its weights), alive until the forward ends whether v is recomputed or not;
@@ -74,6 +75,26 @@ class CostGraph:
     (empty: 0 everywhere): what of its gradient v's backward lets go before its peak or that
     unpack (``CopySlices`` drops the view-sized one): where another node holds the same
     gradient buffer (the other input of an ``add``), it adds to both.
+    ``bwd_freed_inputs[v]`` (empty: none anywhere): the owners of the inputs v saves that its
+    backward lets go before its peak, which ``bwd_transient_bytes[v]`` does not hold (under
+    autocast a linear layer's bf16 input, before its weight's gradient is copied to float32):
+    where something else keeps one alive through v's backward, it is held on top.
+
+    ``held_bytes[v]`` (empty: 0 everywhere): tensors v's call leaves on its module as attributes (a
+    forward pre-hook's weight: ``torch.nn.utils.prune``, the hook-based ``weight_norm``), alive from
+    v's forward to the step's end, since the module holds them until its next call; a
+    recomputation of v makes them again beside the ones it replaces (not in ``extra_bytes``).
+    ``bwd_tail_bytes[v]`` (empty: 0 everywhere): what v's backward holds beyond its inputs'
+    gradients once its own op has let go of what it saved and of its incoming gradient: the
+    gradient path through such a hook's weight (prune's mask multiply), after
+    ``bwd_transient_bytes``, which then counts the backward up to it.
+
+    The buffers the step mutates (empty: none): ``state_bytes[b]`` the bytes of buffer b, and per
+    node ``state_reads[v]`` those v reads and ``state_writes[v]`` those it mutates. A recomputed
+    segment copies the ones its nodes read when its forward runs and holds the copies until its
+    backward ends (``reads=``: its recomputation reads them as its forward did), and copies those
+    and the ones its nodes mutate again while it is recomputed (``restore=``: put back after):
+    :meth:`snapshot_bytes`, :meth:`restore_bytes`.
 
     ``param_grads_held``: the backward runs as one compiled graph (AOTAutograd under
     ``torch.compile``), which returns every parameter's gradient when it ends, so each stays alive
@@ -111,13 +132,23 @@ class CostGraph:
     cache_saved_bytes: tuple[int, ...] = ()
     bwd_unpack_bytes: tuple[int, ...] = ()
     bwd_released_bytes: tuple[int, ...] = ()
+    held_bytes: tuple[int, ...] = ()
+    bwd_tail_bytes: tuple[int, ...] = ()
+    state_bytes: tuple[int, ...] = ()
+    state_reads: tuple[tuple[int, ...], ...] = ()
+    state_writes: tuple[tuple[int, ...], ...] = ()
+    bwd_freed_inputs: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         n = len(self.names)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("cache_bytes", "cache_saved_bytes", "bwd_unpack_bytes", "bwd_released_bytes") and not value:
-                continue  # no autocast cache; no backward that allocates before it unpacks
+            if f.name in ("cache_bytes", "cache_saved_bytes", "bwd_unpack_bytes", "bwd_released_bytes",
+                          "held_bytes", "bwd_tail_bytes", "state_reads", "state_writes",
+                          "bwd_freed_inputs") and not value:
+                continue  # no autocast cache; no backward that allocates before it unpacks or frees early; no hook's weight
+            if f.name == "state_bytes":  # one entry per mutated buffer
+                continue
             if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
                 raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")
         for v in range(n):
@@ -173,10 +204,34 @@ class CostGraph:
         return self.time[v] + self.hook_time[v]
 
     def step_transient(self, v: int) -> int:
-        """The larger of v's forward and backward transients, plus the gradients of shared
-        parameters that may be held across v's backward (:meth:`held_grad_bytes`): what the
-        solvers' step terms use."""
-        return max(self.transient_bytes[v], self.bwd_transient_bytes[v]) + self.held_grad_bytes(v)
+        """The largest of v's forward and backward transients (its backward's head or tail), plus
+        the gradients of shared parameters that may be held across v's backward
+        (:meth:`held_grad_bytes`), plus what the modules hold through the whole backward (every
+        node's ``held_bytes``): what the solvers' step terms use."""
+        tail = self.bwd_tail_bytes[v] if self.bwd_tail_bytes else 0
+        return (max(self.transient_bytes[v], self.bwd_transient_bytes[v], tail) + self.held_grad_bytes(v)
+                + self.module_held_bytes)
+
+    def snapshot_bytes(self, members) -> int:
+        """What a recomputed segment over ``members`` copies when its forward runs, and holds until
+        its backward ends: the mutated buffers its nodes read (``reads=``)."""
+        if not self.state_bytes:
+            return 0
+        return sum(self.state_bytes[b] for b in {b for v in members for b in self.state_reads[v]})
+
+    def restore_bytes(self, members) -> int:
+        """What a recomputation of a segment over ``members`` copies while it runs: the buffers its
+        nodes read or mutate, put back after it (``reads=``, ``restore=``)."""
+        if not self.state_bytes:
+            return 0
+        copied = {b for v in members for b in (*self.state_reads[v], *self.state_writes[v])}
+        return sum(self.state_bytes[b] for b in copied)
+
+    @cached_property
+    def module_held_bytes(self) -> int:
+        """What the modules hold from their calls to the step's end (``held_bytes``), all of it
+        alive once the forward is done."""
+        return sum(self.held_bytes)
 
     def held_grad_bytes(self, v: int) -> int:
         """An upper bound of the shared parameters' gradient bytes held while v's backward runs:
@@ -394,7 +449,7 @@ def to_networkx(graph: CostGraph) -> nx.DiGraph:
     return g
 
 
-_NESTED = {"preds", "succs", "order_preds", "saved"}
+_NESTED = {"preds", "succs", "order_preds", "saved", "state_reads", "state_writes", "bwd_freed_inputs"}
 
 
 def save_graph(graph: CostGraph, path) -> None:

@@ -23,6 +23,11 @@ soon as nothing needs it; gradient buffers count):
   (a transient).
 Graph outputs stay alive throughout (the caller holds the loss); when the backward starts, the
 loss is assumed to need ``graph.loss_bytes`` on top of the outputs' gradients.
+
+Beyond values: what a module keeps from its call (a forward pre-hook's weight, ``held_bytes``)
+stays to the end of the step; the copies a checkpoint takes of the mutated buffers it reads live
+from its forward to its backward's end, and those its recomputation takes while it runs
+(:func:`_backward_nested`).
 """
 
 from __future__ import annotations
@@ -127,6 +132,12 @@ class _Memory:
             self.total += nbytes
         self.note(transient)
 
+    def hold(self, key, nbytes: int) -> None:
+        """Allocate without an event of its own: the allocation that follows at once notes it."""
+        if key not in self.live:
+            self.live[key] = nbytes
+            self.total += nbytes
+
     def free(self, key) -> None:
         self.total -= self.live.pop(key, 0)
 
@@ -166,12 +177,18 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
         if not pending[r] and not holds[r] and r not in outputs:
             mem.free((copy, r))
 
+    snapshots = _snapshots(graph, schedule)
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
+            for path, nbytes in snapshots.get(v, ()):  # copies of the buffers a checkpoint starting at v reads
+                mem.hold(("snap", path), nbytes)
             # the node's transient (its peak beyond what it leaves: out, cached casts, extra saved
-            # buffers) is counted on top of all it leaves, with its last allocation
+            # buffers) is counted on top of all it leaves, with its last allocation; in a recomputed
+            # segment its extra buffers are made too, and go when the checkpoint drops them
             last = "x" if not rec else "c" if graph.cache_bytes else "f"
-            transient = graph.transient_bytes[v]
+            transient = graph.transient_bytes[v] + (graph.extra_bytes[v] if rec else 0)
+            if graph.held_bytes:  # what its module keeps from its call (a hook's weight) stays to the end
+                mem.hold(("h", v), graph.held_bytes[v])
             mem.alloc(("f", v), graph.out_bytes[v], transient if last == "f" else 0)
             if graph.cache_bytes:
                 mem.alloc(("c", v), graph.cache_bytes[v], transient if last == "c" else 0)
@@ -196,13 +213,47 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     return (mem.peak, mem.timeline) if timeline else mem.peak
 
 
+def _checkpoints(seg, inner: Schedule | None, path: tuple) -> list[tuple[tuple, tuple[int, ...]]]:
+    """``(path, members)`` of the checkpoint over ``seg`` (at ``path``) and of every checkpoint nested
+    in it (``inner``'s recomputed segments, at any depth): all of them run their forwards when it
+    runs its own."""
+    found = [(path, tuple(seg))]
+    for i, (sub, rec) in enumerate(zip(inner.segments, inner.recomputed) if inner is not None else ()):
+        if rec:
+            found += _checkpoints(sub, inner.inner_of(i), path + (i,))
+    return found
+
+
+def _snapshots(graph: CostGraph, schedule: Schedule, path: tuple = ()) -> dict[int, list[tuple[tuple, int]]]:
+    """Node -> ``(path, bytes)`` of the checkpoints of ``schedule`` (nested ones included) whose
+    forwards start at it and copy the mutated buffers they read (``reads=``; the copies live
+    until the checkpoint's backward ends). Empty where the step mutates no buffer."""
+    starts: dict[int, list[tuple[tuple, int]]] = {}
+    if not graph.state_bytes:
+        return starts
+    for i, (seg, rec) in enumerate(zip(schedule.segments, schedule.recomputed)):
+        if rec:
+            for where, members in _checkpoints(seg, schedule.inner_of(i), path + (i,)):
+                starts.setdefault(members[0], []).append((where, graph.snapshot_bytes(members)))
+    return starts
+
+
 def _released(graph: CostGraph, v: int, grads: _Grads) -> int:
     """What v's backward lets go of its gradient early (``graph.bwd_released_bytes``) where
     another node holds that buffer: it stays alive beside v's backward."""
     return graph.bwd_released_bytes[v] if graph.bwd_released_bytes and grads.held_elsewhere(v) else 0
 
 
-def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
+def _held_on(graph: CostGraph, v: int, survives) -> int:
+    """Bytes of the inputs that v's backward lets go before its peak (``graph.bwd_freed_inputs``,
+    which its transient does not hold) that the step keeps alive through it: ``survives(o)``,
+    another holder or reader of o."""
+    if not graph.bwd_freed_inputs:
+        return 0
+    return sum(graph.out_bytes[o] for o in graph.bwd_freed_inputs[v] if survives(o))
+
+
+def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, held_on: int = 0) -> None:
     """Node v's backward: its inputs' gradients appear, its output's gradient goes.
 
     While it runs, v's backward holds its results (its inputs' gradients, new buffers unless it
@@ -213,7 +264,8 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
     of v's results are alive, its incoming gradient already let go; so is a shared parameter's
     (:class:`_SharedParams`). What of its incoming gradient v's backward lets go early
     (``CopySlices``, once the view's backward spread it over the base) stays alive beside its
-    transient where another node holds the same buffer (:func:`_released`).
+    transient where another node holds the same buffer (:func:`_released`). ``held_on``: what of
+    the inputs v saves its transient lets go and the step keeps (:func:`_held_on`).
     """
     share = v if graph.grad_alias[v] else None
     released = _released(graph, v, grads)
@@ -227,7 +279,7 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
             else:
                 grads.give(p, graph.grad_bytes[p], share)
     incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
-    mem.note(incoming + graph.bwd_transient_bytes[v] + released)
+    mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
     sums = [graph.grad_bytes[p] for p in again]
     if v in grads.of:
         sums += grads.shared.summed(v)
@@ -245,6 +297,13 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads) -> None:
         # one compiled backward graph: v's parameter gradients wait for its end (an upper bound
         # for a parameter read by several nodes, whose gradients the graph sums into one)
         mem.alloc(("pg", v), graph.param_grad_bytes[v])
+
+
+def _tail(graph: CostGraph, v: int, mem: _Memory) -> None:
+    """The tail of v's backward (``graph.bwd_tail_bytes``: the gradient path through a forward
+    pre-hook's weight), once v's own op let go of its incoming gradient and of what it saved."""
+    if graph.bwd_tail_bytes and graph.bwd_tail_bytes[v]:
+        mem.note(graph.bwd_tail_bytes[v])
 
 
 _RETURNED = -1  # a consumer standing for the return of a recomputed segment's outputs
@@ -324,7 +383,7 @@ def partitioned_rerun_time(graph: CostGraph, seg) -> int:
 
 
 def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int,
-                     parent=None) -> None:
+                     parent=None, path: tuple = ()) -> None:
     """Run the backward of the checkpointed segment ``seg``, recomputed following ``inner``.
 
     As in torch's non-reentrant checkpoint, the recomputation starts only when the backward first
@@ -337,6 +396,12 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
     nodes after it are not run again. The inner segments' backwards then run in reverse, a
     recomputed one recursing one level deeper. Values outside ``seg`` are held by the levels
     above until ``seg``'s backward ends.
+
+    ``path`` names the checkpoint (its segment's index at each level): the copies of the mutated
+    buffers it reads, taken when its forward ran, go when its backward ends; while it is
+    recomputed it copies them and those it mutates (:meth:`~fxremat.core.CostGraph.restore_bytes`),
+    and the checkpoints nested in it whose forwards the recomputation runs copy theirs again,
+    all let go when it stops.
     """
     members = set(seg)
     sub_of = {v: i for i, sub in enumerate(inner.segments) for v in sub}
@@ -375,10 +440,22 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             parent()
         k, runs = stop
         ran = order[:k + 1] if runs else order[:k]
+        if graph.state_bytes:
+            mem.alloc(("rs", path), graph.restore_bytes(seg))
+        # the nested checkpoints it runs take their copies again (a nested segment runs whole or not at all)
+        snapshots = {v: found for v, found in _snapshots(graph, inner, path).items() if v in ran}
         for v in ran:
+            for where, nbytes in snapshots.get(v, ()):
+                mem.hold(("rsnap", path, where), nbytes)
             kept = not inner.recomputed[sub_of[v]]
             last = "x" if kept else "c" if graph.cache_bytes else "f"
-            transient = graph.transient_bytes[v]  # on top of all the node leaves, as in the forward
+            # on top of all the node leaves, as in the forward: in a nested checkpoint, which drops
+            # them, its extra buffers too (a node saving a wide hidden value, run again by the
+            # outer recomputation beside the outer segment's incoming gradient: 0.76x measured)
+            transient = graph.transient_bytes[v] + (0 if kept else graph.extra_bytes[v])
+            if graph.held_bytes and graph.held_bytes[v]:
+                # its module's attributes made again (a hook's weight) while it still holds the forward's
+                mem.note(graph.held_bytes[v])
             mem.alloc(key(v), graph.out_bytes[v], transient if last == "f" else 0)
             if graph.cache_bytes:  # the recomputation runs in an autocast region of its own
                 mem.alloc(("rc", depth, v), graph.cache_bytes[v], transient if last == "c" else 0)
@@ -392,6 +469,10 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         for v in ran:  # the early stop: consumers after it never run
             needed[v].clear()
             maybe_free(v)
+        mem.free(("rs", path))
+        for found in snapshots.values():
+            for where, _ in found:
+                mem.free(("rsnap", path, where))
         if graph.cache_bytes:  # its region exits: what a node kept saves of the cache stays
             for v in ran:
                 mem.free(("rc", depth, v))
@@ -402,7 +483,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         sub = inner.segments[i]
         if inner.recomputed[i]:
             deeper = inner.inner_of(i) or Schedule((sub,), (False,))
-            _backward_nested(graph, sub, deeper, mem, grads, depth + 1, recompute)
+            _backward_nested(graph, sub, deeper, mem, grads, depth + 1, recompute, path + (i,))
+            mem.free(("snap", path + (i,)))
             for r in members:
                 if ("segment", i) in holds[r]:
                     holds[r].discard(("segment", i))
@@ -418,26 +500,31 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                     mem.alloc(("u", v), early)
                 recompute()
                 mem.free(("u", v))
-            _grad_step(graph, v, mem, grads)
+            _grad_step(graph, v, mem, grads, _held_on(
+                graph, v, lambda o: o not in members or needed[o] or holds[o] - {("node", v)}))
             for o in graph.saved[v]:
                 if o in members:
                     holds[o].discard(("node", v))
                     maybe_free(o)
+            _tail(graph, v, mem)
 
 
 def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -> None:
     seg = schedule.segments[s]
     if schedule.recomputed[s]:
         nested = schedule.inner_of(s) or Schedule((seg,), (False,))
-        _backward_nested(graph, seg, nested, mem, grads, 1)
+        _backward_nested(graph, seg, nested, mem, grads, 1, path=(s,))
+        mem.free(("snap", (s,)))
         _release_segment(graph, s, holds, pending, outputs, mem)
         return
     for v in reversed(seg):
-        _grad_step(graph, v, mem, grads)
+        _grad_step(graph, v, mem, grads, _held_on(
+            graph, v, lambda o: pending[o] or o in outputs or holds[o] - {("node", v)}))
         for o in graph.saved[v]:
             holds[o].discard(("node", v))
             if not pending[o] and not holds[o] and o not in outputs:
                 mem.free(("f", o))
+        _tail(graph, v, mem)
     _release_segment(graph, s, holds, pending, outputs, mem)
 
 

@@ -6,6 +6,9 @@ parameters. Every peak here is measured (``fxremat.measure_peak``) in the steady
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 import fxremat
 from fxremat import api
 from fxremat.core import Schedule
+from fxremat.measure import default_loss
 from fxremat.passes.capture import capture_call
 from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import profile
@@ -314,6 +318,25 @@ class LocalHeld(nn.Module):
         return self.c4(F.relu(self.c3(F.relu(y))))
 
 
+class DroppedAttention(nn.Module):
+    """Attention with dropout, as data2vec-audio's (on the CPU the math path: its probabilities,
+    their dropout mask and the dropped probabilities are saved). Each autograd node of its
+    backward lets go of what it saved as it returns, and the largest buffers come after; counted
+    on top of them all, the plain peak was over-predicted by 18% (data2vec-audio +3.1%)."""
+
+    def __init__(self, d=64, h=4, p=0.1):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.h, self.p = h, p
+
+    def forward(self, x):
+        b, n, d = x.shape
+        split = lambda t: t.view(b, n, self.h, d // self.h).transpose(1, 2)  # noqa: E731
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
+                                           dropout_p=self.p if self.training else 0.0)
+        return self.o(y.transpose(1, 2).reshape(b, n, d))
+
+
 @pytest.mark.parametrize("make,x", [
     (lambda: LM(True), torch.randint(0, 4096, (2, 16))),
     (Twice, torch.randn(2, 8, 256)),
@@ -328,8 +351,10 @@ class LocalHeld(nn.Module):
     # the write's backward let go of a gradient the add's other input still held: -6.6%
     (MaskedScoreSum, torch.randn(8, 128, 64)),
     (LocalHeld, torch.randn(2, 8, 64, 64)),
+    (DroppedAttention, torch.randn(2, 128, 64)),
 ], ids=["tied", "called-twice", "two-branches", "F.linear", "weight.t()", "weight-standardized", "broadcast-bias",
-        "write-into-slice", "augmented-write-into-slice", "captured-write-into-slice-then-add", "python-local"])
+        "write-into-slice", "augmented-write-into-slice", "captured-write-into-slice-then-add", "python-local",
+        "attention-dropout"])
 def test_plain_peak_predicted_within_two_percent(make, x):
     torch.manual_seed(0)
     model = make()
@@ -340,6 +365,133 @@ def test_plain_peak_predicted_within_two_percent(make, x):
     for budget in (1.0, "min"):
         remat = fxremat.compile(model, budget, example_inputs=(x,), cost_model="flops")
         assert _measured_holding_output(remat, x) <= 1.05 * remat.plan.budget_bytes
+
+
+class HookedMLP(nn.Module):
+    """Residual MLP blocks whose weights outweigh their activations."""
+
+    def __init__(self, d=128, n=2):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                     for _ in range(n)])
+        self.ln = nn.ModuleList([nn.LayerNorm(d) for _ in range(n)])
+
+    def forward(self, x):
+        for ln, block in zip(self.ln, self.blocks):
+            x = x + block(ln(x))
+        return x
+
+
+def _hooked_mlp(hook: str) -> HookedMLP:
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    model = HookedMLP()
+    for block in model.blocks:
+        for linear in (block[0], block[2]):
+            if hook == "prune":
+                prune.l1_unstructured(linear, "weight", 0.5)
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # deprecated for the parametrizations
+                    getattr(torch.nn.utils, hook)(linear)
+    return model
+
+
+@pytest.mark.parametrize("hook", ["prune", "weight_norm", "spectral_norm"])
+def test_a_weight_made_by_a_forward_pre_hook_is_held_by_its_module(hook):
+    """``torch.nn.utils.prune`` and the hook-based ``weight_norm`` and ``spectral_norm`` set
+    ``module.weight`` at every call, from ``weight_orig``: the module holds it until its next call,
+    across the step's end and while its recomputation makes another, and its gradient goes through
+    the hook's ops after the Linear's backward let go of its input. Counted only as a buffer the
+    Linear saves, "min" measured 1.34x its budget on a bigger MLP, and the plain peak +8%."""
+    x = torch.randn(2, 16, 128)
+    model = _hooked_mlp(hook)
+    measured = _measured_holding_output(model, x)
+    plan = fxremat.plan(model, 1.0, example_inputs=(x,), cost_model="flops")
+    assert abs(plan.baseline_peak_bytes - measured) <= 0.01 * measured, (plan.baseline_peak_bytes, measured)
+    remat = fxremat.compile(_hooked_mlp(hook), "min", example_inputs=(x,), cost_model="flops")
+    assert remat.plan.recomputed_nodes
+    peak = _measured_holding_output(remat, x)
+    assert peak <= 1.01 * remat.plan.budget_bytes, (peak, remat.plan.budget_bytes)
+    assert abs(remat.plan.predicted_peak_bytes - peak) <= 0.01 * peak, (remat.plan.predicted_peak_bytes, peak)
+    grads = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b.grad) for a, b in zip(grads, remat.parameters()))
+
+
+class Flows(nn.Module):
+    """Several outputs, as RAFT's flow at each refinement step (two channels: a cross-entropy's
+    class-index target is as large as its flow), and tokens (OWL-ViT, MaskFormer, SAM)."""
+
+    def __init__(self, c=16, steps=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.flows = nn.ModuleList(nn.Conv2d(c, 2, 3, padding=1) for _ in range(steps))
+        self.refines = nn.ModuleList(nn.Conv2d(c + 2, c, 3, padding=1) for _ in range(steps))
+
+    def forward(self, x):
+        h, flows = self.stem(x).relu(), []
+        for flow, refine in zip(self.flows, self.refines):
+            f = flow(h)
+            flows.append(f)
+            h = refine(torch.cat([h, f], 1)).relu()
+        return flows, h.flatten(2).transpose(1, 2)
+
+
+class WideMlp(nn.Module):
+    """HF ViT's MLP under bf16 autocast, its weights large against its activations (few tokens)."""
+
+    def __init__(self, d=128):
+        super().__init__()
+        self.block = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x):
+        return self.head(x + self.block(x)).float()
+
+
+def _plain_peaks(model, x, amp: bool) -> tuple[int, int]:
+    """``(predicted, measured)`` plain peak of ``model`` on ``x``, the forward and the loss (a
+    cross-entropy per output, ``fxremat.measure.default_loss``) under bf16 autocast with ``amp``,
+    the output held until the backward returns."""
+    region = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if amp else contextlib.nullcontext
+
+    def step():
+        with region():
+            out = model(x)
+            loss = default_loss(out)
+        loss.backward()  # (out of the region, as training does: autocast's cache is gone)
+        return out
+
+    with_grads(model)
+    step()
+    measured = fxremat.measure_peak(step)[1]
+    with region():
+        predicted = fxremat.plan(model, 1.0, example_inputs=(x,), cost_model="flops").baseline_peak_bytes
+    return predicted, measured
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16-autocast"])
+def test_a_loss_over_several_outputs_is_predicted_byte_for_byte(amp):
+    """A cross-entropy per output, summed: autograd runs the parts' backwards one at a time, the
+    last output's first, so the loss never holds two buffers of every output at once (the plain
+    peak of OWL-ViT's nine outputs was over-predicted by 5.6%), but the parts still to run hold
+    their class-index targets (RAFT's twelve flows: -2.6% without them). Under autocast the loss
+    computes in float32 beside the bf16 outputs (counted in bf16: -18.9% here)."""
+    torch.manual_seed(0)
+    predicted, measured = _plain_peaks(Flows(), torch.randn(2, 3, 32, 32), amp)
+    # to the byte but the loss's own scalars
+    assert measured - 64 <= predicted <= measured + 0.002 * measured, (predicted, measured)
+
+
+def test_a_linear_under_autocast_lets_its_input_go_before_its_peak():
+    """Under bf16 autocast a linear layer's backward peaks while its weight's bf16 gradient is
+    copied to float32 (ToCopyBackward), after its matrix products have let go of the bf16 input
+    they saved (the GELU's output, which nothing else holds): held through that copy, the plain
+    peak was over-predicted by 9.4% here (HF ViT: +2.5%)."""
+    torch.manual_seed(0)
+    predicted, measured = _plain_peaks(WideMlp(), torch.randn(2, 32, 128), amp=True)
+    assert measured - 64 <= predicted <= measured + 0.002 * measured, (predicted, measured)
 
 
 class DiceTrained(nn.Module):

@@ -99,6 +99,59 @@ def test_nested_recomputation_stops_at_the_inner_checkpoint():
     assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
 
 
+class Widen(nn.Module):
+    """A leaf whose interior saves a wide hidden value (the node's extra buffers) and returns a
+    narrow one."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 8 * d), nn.Linear(8 * d, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class WidenedHead(nn.Module):
+    """``Widen`` early in a block whose last node (a Linear saving only its narrow input) makes
+    a much wider output."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.widen = Widen(d)
+        self.c = nn.Linear(d, 16 * d)
+
+    def forward(self, x):
+        y = self.c(self.widen(torch.tanh(self.a(x))))
+        return y.view(y.shape[0], 16, -1).mean(dim=2)
+
+
+def test_a_nested_checkpoint_run_by_the_outer_recomputation_makes_its_extra_buffers():
+    """The block recomputed with ``a .. widen`` in a nested checkpoint: the outer recomputation
+    (which the wide output's gradient starts) runs ``widen`` again, and its hidden value is made
+    beside that gradient before the nested checkpoint drops it. Left out of ``widen``'s peak
+    there, the measured peak was 1.31x the predicted one."""
+    torch.manual_seed(0)
+    model, x = WidenedHead(), torch.randn(256, 32)
+    gm = trace(model, leaf_modules=(Widen,))
+    graph = build_graph(gm, profile(gm, (x,), cost_model="flops"))
+    assert graph.extra_bytes[graph.names.index("widen")] >= 8 * x.numel() * x.element_size()
+    head, rest = _split(graph, "getattr_1")
+    first, second = head[:3], head[3:]
+    assert _names(graph, second) == ["c"]
+    sched = Schedule((head, rest), (True, False), (Schedule((first, second), (True, False)), None))
+    emitted = rewrite(gm, [_names(graph, head), _names(graph, rest)], [True, False], {},
+                      [([_names(graph, first), _names(graph, second)], [True, False], [None, None]), None])
+    measured = _measured(emitted, model, x)
+    predicted = simulate(graph, sched)
+    assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
+    grads = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad.zero_()
+    train_step(model, x)
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters()))
+
+
 class _ForwardOpCounter(TorchDispatchMode):
     """Counts the forward ops of WideTail (addmm, tanh, add) run while it is active."""
 

@@ -12,6 +12,11 @@
   (temporaries of LayerNorm, GELU, attention; its parameters' gradients before they are
   accumulated), measured by running the node's forward again on detached inputs and its backward
   alone under the tracker;
+- ``held_bytes``: tensors its call leaves on its module as plain attributes (neither parameters
+  nor buffers) that are still there when the forward ends: a forward pre-hook's weight
+  (``torch.nn.utils.prune``'s ``weight_orig * weight_mask``, the hook-based ``weight_norm`` and
+  ``spectral_norm``), made again at every call and held by the module until its next one, across
+  the step's end (not in ``extra_bytes`` where its backward saves it too);
 - ``grad_bytes``: the size of its output's gradient (the tensor's size, views included);
 - ``grad_alias``: whether its backward hands its inputs views of its output's gradient
   (``cat``, ``stack``, same-shape ``add``, ``view``/``reshape``/``permute``, ``sum``: an
@@ -107,6 +112,11 @@ class NodeCost:
     cache_saved_bytes: int = 0  # ... those of them its backward saves (kept until it, where it is not recomputed)
     bwd_unpack_bytes: int = 0  # what its backward holds when it first unpacks a saved tensor (see _backward_transient)
     bwd_released_bytes: int = 0  # ... the gradient it was handed that it lets go before its peak or that unpack
+    held_bytes: int = 0  # tensors its call left on its module as attributes, held there until its next call
+    bwd_tail_bytes: int = 0  # what its backward holds once its own op let go of what it saved (a hook weight's path)
+    bwd_freed_inputs: tuple[str, ...] = ()  # producers of saved inputs its backward lets go before its peak
+    loss_held_bytes: int = 0  # a graph output's log-softmax in the assumed loss (0: none; see _loss_part)
+    loss_target_bytes: int = 0  # ... and that cross-entropy's int64 class-index target
 
 
 @dataclass(frozen=True)
@@ -207,10 +217,39 @@ class _AutocastCasts(TorchDispatchMode):
         return out
 
 
-def _track_held(tracker: LiveStorageTracker, refs, outputs, fake: bool) -> int:
+def _loss_part(out) -> tuple[int, int]:
+    """What the loss a plain step is assumed to take holds for a graph output ``out``: a
+    cross-entropy of each of its floating tensors of two or more dimensions that takes a gradient,
+    classes along dim 1 (:func:`fxremat.measure.default_loss`). ``(log-softmax bytes, target
+    bytes)``: the log-softmax is in the dtype the loss computes in (under autocast a bf16 output's
+    is float32: autocast runs ``cross_entropy`` in float32), the target is int64 class indices."""
+    held = target = 0
+    for t in _tensors(out):
+        if t.requires_grad and t.is_floating_point() and t.dim() >= 2:
+            probe = torch.nn.functional.cross_entropy(torch.zeros((1, 1), dtype=t.dtype, device=t.device),
+                                                      torch.zeros(1, dtype=torch.long, device=t.device))
+            held += t.numel() * probe.element_size()
+            target += t.numel() // t.shape[1] * 8 if t.shape[1] else 0
+    return held, target
+
+
+def _noting_storages(refs: list):
+    """A pack hook that saves a detached alias (see :class:`_SavedRecorder`) and appends a weak
+    reference to its storage to ``refs``."""
+
+    def pack(t):
+        if t.layout == torch.strided:
+            refs.append(weakref.ref(t.untyped_storage()))
+        return t.detach()
+
+    return pack
+
+
+def _track_held(tracker: LiveStorageTracker, refs, left_out, fake: bool) -> int:
     """Have ``tracker`` count the storages of ``refs`` (weak references) that are still alive,
-    outputs' left out, until they are freed; their bytes. (A function, so that no local holds one.)"""
-    held = {s._cdata: s for s in (ref() for ref in refs) if s is not None and s._cdata not in outputs}
+    those keyed in ``left_out`` left out (values: a node's outputs, inputs, parameters), until
+    they are freed; their bytes. (A function, so that no local holds one.)"""
+    held = {s._cdata: s for s in (ref() for ref in refs) if s is not None and s._cdata not in left_out}
     for s in held.values():
         tracker.track_storage(s, fake=fake)
     return sum(s.nbytes() for s in held.values())
@@ -258,13 +297,21 @@ class _BackwardTracker(LiveStorageTracker):
         super().__init__()
         self.made = made
         self.own_peak = 0
+        self.alive_at_peak: set[int] = set()
 
     def handed_bytes(self) -> int:
         """Bytes of the gradients handed to the backward that are still alive."""
         return sum(g.nbytes() for g in (ref() for ref in self.made) if g is not None)
 
+    def mark_peak(self) -> None:
+        """Note the storages alive now, as those alive at the peak (``alive_at_peak``) until a
+        later allocation makes a higher one."""
+        self.alive_at_peak = set(self._alive)
+
     def track(self, tensor: torch.Tensor) -> None:
         super().track(tensor)
+        if self.live_bytes >= self.peak_bytes:
+            self.mark_peak()
         if self.made:  # (the seeds themselves, made before their references are, are not its own)
             self.own_peak = max(self.own_peak, self.live_bytes - self.handed_bytes())
 
@@ -294,6 +341,42 @@ def _stand_in(p: torch.Tensor, stand_ins: dict) -> torch.Tensor:
         alias.grad = torch.zeros_like(p)
         stand_ins[id(p)] = alias
     return stand_ins[id(p)]
+
+
+def _attribute_tensors(module: torch.nn.Module) -> dict[int, int]:
+    """Storage key -> bytes of the tensors that ``module`` and its submodules with forward
+    pre-hooks hold as plain attributes, neither parameters nor buffers: where such a hook puts the
+    weight it makes at each call (``torch.nn.utils.prune``, the hook-based ``weight_norm`` and
+    ``spectral_norm``). (Not a module that caches a value of its own on its first call: made
+    once, it is not made again in each step.)"""
+    found = {}
+    for m in module.modules():
+        if not m._forward_pre_hooks:
+            continue
+        for value in vars(m).values():
+            key = _storage_key(value)
+            if key is not None:
+                found[key] = value.untyped_storage().nbytes()
+    return found
+
+
+@contextlib.contextmanager
+def _attributes_kept(module: torch.nn.Module):
+    """Put back the tensor attributes of ``module`` and its submodules (:func:`_attribute_tensors`)
+    on exit: a forward pre-hook that sets its weight at each call, run here on stand-ins, leaves
+    the module holding the forward's weight as it did. Yields a list that holds, on exit, the
+    attribute tensors the block made that take a gradient (that hook's weight)."""
+    kept = [(m, name, value) for m in module.modules() for name, value in vars(m).items()
+            if isinstance(value, torch.Tensor)]
+    made: list[torch.Tensor] = []
+    try:
+        yield made
+    finally:
+        before = {id(value) for _, _, value in kept}
+        made.extend(value for m in module.modules() for value in vars(m).values()
+                    if isinstance(value, torch.Tensor) and id(value) not in before and value.grad_fn is not None)
+        for m, name, value in kept:
+            m.__dict__[name] = value
 
 
 def _is_fake(values) -> bool:
@@ -342,6 +425,9 @@ class _ProfilingInterpreter(_GraphInterpreter):
             self.owner[k] = ""
         self.stored_keys = frozenset(self.owner)  # parameters and buffers
         self.costs: list[NodeCost] = []
+        # per call_module node: storage key -> (bytes, saved by its backward) of the tensors its call
+        # left on its module as attributes (:func:`_attribute_tensors`; see :meth:`settled_costs`)
+        self.left_on_module: dict[str, dict[int, tuple[int, bool]]] = {}
         self.buffers = list(gm.named_buffers())
         self.fake = _is_fake(list(gm.parameters()) + list(gm.buffers()))
         self.tracker = LiveStorageTracker()
@@ -359,6 +445,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 self.owner.setdefault(_storage_key(t), "")
             return out
         versions = {name: b._version for name, b in self.buffers}
+        attributes = _attribute_tensors(self.module.get_submodule(n.target)) if n.op == "call_module" else {}
         # autograd nodes of the inputs before the call: a call that returns an input unchanged
         # (nn.Identity) adds none, and its gradient passes through as it is
         before = {t.grad_fn for t in _tensors(self._fetch_args(n)) if t.grad_fn is not None}
@@ -385,14 +472,40 @@ class _ProfilingInterpreter(_GraphInterpreter):
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, casts.made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
+        if n.op == "call_module":  # (after _node_cost, which makes the outputs' storages the node's)
+            left = _attribute_tensors(self.module.get_submodule(n.target))
+            self.left_on_module[n.name] = {key: (nbytes, key in recorder.saved) for key, nbytes in left.items()
+                                           if key not in attributes and self.owner.get(key) is None}
+        if any(u.op == "output" for u in n.users):
+            held, target = _loss_part(out)
+            cost = replace(cost, loss_held_bytes=held, loss_target_bytes=target)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
-            transient, unpack, released = self._backward_transient(n)
-            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released)
+            transient, unpack, released, tail, freed = self._backward_transient(n)
+            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released,
+                           bwd_tail_bytes=tail, bwd_freed_inputs=freed)
         elif (view := self._written_view(n)) is not None:  # but not a write into a view
-            transient, unpack, released = self._backward_transient(n, view)
-            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released)
+            transient, unpack, released, tail, freed = self._backward_transient(n, view)
+            cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released,
+                           bwd_tail_bytes=tail, bwd_freed_inputs=freed)
         self.costs.append(cost)
         return out
+
+    def settled_costs(self) -> tuple[NodeCost, ...]:
+        """The nodes' costs once the forward has run: what a call left on its module that a module
+        still holds now is the node's ``held_bytes``, and out of its ``extra_bytes`` where its
+        backward saves it (prune's weight: counted only as saved, it was let go at the node's
+        backward or not held at all where the node is recomputed, while its module holds it until
+        the next step's call: 1.34x the budget at "min" on an MLP of pruned Linears). A module
+        called twice holds only the last call's; the first's is saved by its backward, if at all."""
+        held = _attribute_tensors(self.module)
+        costs = []
+        for c in self.costs:
+            left = [value for key, value in self.left_on_module.get(c.name, {}).items() if key in held]
+            if left:
+                c = replace(c, held_bytes=sum(nbytes for nbytes, _ in left),
+                            extra_bytes=c.extra_bytes - sum(nbytes for nbytes, saved in left if saved))
+            costs.append(c)
+        return tuple(costs)
 
     def _written_view(self, n: fx.Node) -> torch.Tensor | None:
         """The view that ``n`` writes in place, if it writes one (``attn[..., :k] *= mask``)."""
@@ -400,7 +513,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
                  if t.requires_grad and t._is_view()]
         return views[0] if len(views) == 1 else None
 
-    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> tuple[int, int, int]:
+    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> tuple[int, int, int, int, tuple]:
         """Peak bytes of the node's backward alone beyond the gradients it hands its inputs, run as
         a training step runs it: the forward again on detached inputs and on stand-ins for its
         parameters (:func:`_stand_in`: their ``.grad`` exists, so each parameter's gradient is
@@ -429,9 +542,22 @@ class _ProfilingInterpreter(_GraphInterpreter):
         had let go by its peak or by that unpack (``CopySlices`` again: the view's backward
         spreads the gradient over the base and drops it): where another node holds the same
         gradient in the step (the other input of that add), it adds to both
-        (:class:`_BackwardTracker`; the plain peak was -6.6% on a block whose peak it is)."""
+        (:class:`_BackwardTracker`; the plain peak was -6.6% on a block whose peak it is).
+
+        The fourth is the backward's tail, and the first its head only, where a forward pre-hook
+        made the module's weight (``torch.nn.utils.prune``'s ``weight_orig * weight_mask``, the
+        hook-based ``weight_norm``): the weight's gradient then goes through the hook's ops
+        (the mask's multiply) after the module's own op has let go of what it saved and of its
+        incoming gradient. The tail, from the moment that gradient is ready, is the most it holds
+        beyond the inputs' gradients; counted with the head, beside the saved input, a pruned
+        Linear's plain step was over-predicted by that input (+1 MiB of 6.5).
+
+        The fifth is the producers of the inputs it saves that its backward lets go before its
+        peak (:meth:`_own_copy`), which the transient does not hold: where the step holds one
+        longer (another node saves it too), the simulator adds it back."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        leaves, stand_ins, arrived, made = [], {}, [], []
+        env_values = (args, kwargs)
+        leaves, stand_ins, arrived, made, copies = [], {}, [], [], {}
         written = None
         if view is not None:
             base = view._base.detach().requires_grad_()
@@ -442,13 +568,15 @@ class _ProfilingInterpreter(_GraphInterpreter):
         def detach(t):
             if t is view:
                 return written
-            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            if not isinstance(t, torch.Tensor):
                 return t
+            if not t.requires_grad:
+                return self._own_copy(t, t, copies)
             if t.is_leaf and _storage_key(t) in self.param_keys:  # a parameter, not a view of one
                 return _stand_in(t, stand_ins)
             leaf = t.detach().requires_grad_()
             leaves.append(leaf)
-            return _Capture.apply(leaf, arrived)
+            return self._own_copy(t, _Capture.apply(leaf, arrived), copies)
 
         args, kwargs = tree_map(detach, (args, kwargs))
         tracker, allocator = _BackwardTracker(made), AllocatorPeak(self.allocator_device)
@@ -460,19 +588,32 @@ class _ProfilingInterpreter(_GraphInterpreter):
             return t
 
         casts = _AutocastCasts(self.param_keys)
-        with (torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), unpack), casts,
+        hooked = []  # the weights a forward pre-hook made from the stand-ins
+        saved: list[weakref.ref] = []  # the storages its forward hands autograd to save
+        with (torch.autograd.graph.saved_tensors_hooks(_noting_storages(saved), unpack), casts,
               _autocast_cache_off() if casts.caching else contextlib.nullcontext()):
             if n.op == "call_module":
                 mod = self.module.get_submodule(n.target)
                 params = {name: _stand_in(p, stand_ins) for name, p in mod.named_parameters(remove_duplicate=False)
                           if p.requires_grad}
-                out = torch.func.functional_call(mod, params, args, kwargs)
+                with _attributes_kept(mod) as hooked:
+                    out = torch.func.functional_call(mod, params, args, kwargs)
             else:
                 out = getattr(self, n.op)(n.target, args, kwargs)
+        del args, kwargs  # the copies of the inputs are autograd's alone now
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
         wrt = leaves + list(stand_ins.values())
         if not outs or not wrt:
-            return 0, 0, 0
+            return 0, 0, 0, 0, ()
+        head = []  # the tracker's peaks when the gradient of a hook's weight is ready (the fourth value)
+
+        def tail_starts(_grads):
+            if not head:
+                head.append((tracker.peak_bytes, tracker.own_peak))
+                tracker.peak_bytes = tracker.live_bytes
+
+        for weight in hooked:
+            weight.grad_fn.register_prehook(tail_starts)
         root = _Seed.apply(made, *outs)
         seed = torch.ones_like(root)
         # Autocast's casts of the parameters that the backward saves (made without the cache, so
@@ -483,7 +624,18 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # (``cache_saved_bytes``) until the node's backward is done; counted as held through the
         # copies, a convolution of 128 channels at 16x16 under bf16 autocast over-predicted the
         # plain peak by its bf16 weight (+7.2%).
-        held = _track_held(tracker, casts.storages, {_storage_key(t) for t in _tensors(out)}, self.fake)
+        # So are the buffers it saves beyond values (``extra_bytes``: attention probabilities, a
+        # dropout mask), which the simulator also holds until the node's backward is done, while
+        # each of its autograd nodes lets go of its own as it returns: an attention's backward
+        # makes its largest buffers once the probabilities' dropout mask is gone; counted on top
+        # of them all, the plain peak of an attention with dropout was over-predicted by 18%.
+        # And so are the inputs it saves, copied (:meth:`_own_copy`): each autograd node lets go of
+        # those it saved as it returns; under autocast a linear layer's bf16 input goes before the
+        # copy of its weight's gradient to float32, its peak (HF ViT under bf16 autocast: +2.5%).
+        values = {_storage_key(t) for t in _tensors((out, env_values, list(stand_ins.values())))}
+        held = _track_held(tracker, casts.storages + saved, values, self.fake)
+        saved_copies = {key: owner for key, (ref, owner) in copies.items() if ref() is not None}
+        tracker.mark_peak()
         with tracker, allocator:
             torch.autograd.backward(root, seed, inputs=wrt)
         incoming = sum(t.numel() * t.element_size() for t in outs)
@@ -491,15 +643,34 @@ class _ProfilingInterpreter(_GraphInterpreter):
         kept = sum(tracker.sizes_of(g for g in arrived if g.untyped_storage()._cdata not in views_of_incoming))
         if view is not None:
             kept -= (view._base.numel() - view.numel()) * view.element_size()
+        # the backward's tail: the gradient path through a hook's weight, after the op that read it
+        # let go of what it saved and of its incoming gradient (the allocator's peak, which cannot
+        # be split, stays with the head)
+        tail = max(0, tracker.peak_bytes - kept) if head else 0
+        peak, own_peak = head[0] if head else (tracker.peak_bytes, tracker.own_peak)
         # (the allocator counts the casts from the start: they were allocated before it began)
-        transient = max(0, tracker.peak_bytes - incoming - kept - held, allocator.peak_bytes - incoming - kept)
-        released = max(0, tracker.own_peak - kept - transient)
+        transient = max(0, peak - incoming - kept - held, allocator.peak_bytes - incoming - kept)
+        released = max(0, own_peak - kept - transient - held)
         unpack = 0
         if at_unpack:  # (the casts are alive there: what the node saved goes after its backward)
             live, own = at_unpack[0]
             unpack = max(0, live - incoming - held)
             released = max(released, own - held - unpack)
-        return transient, unpack, released
+        freed = tuple(sorted({owner for key, owner in saved_copies.items() if key not in tracker.alive_at_peak}))
+        return transient, unpack, released, tail, freed
+
+    def _own_copy(self, t: torch.Tensor, value: torch.Tensor, copies: dict) -> torch.Tensor:
+        """``value`` (the node's input ``t`` as the node reads it) copied into a storage of its own
+        where ``t`` is the whole storage an earlier node made, so that the node's backward lets it
+        go as the step's does where nothing else holds it; ``copies``: the copy's storage key ->
+        (a weak reference to that storage, the producer's name). Views are read as they are."""
+        key = _storage_key(t)
+        owner = self.owner.get(key) if key is not None else None
+        if not owner or t._is_view() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            return value
+        copy = value.clone()
+        copies[_storage_key(copy)] = (weakref.ref(copy.untyped_storage()), owner)
+        return copy
 
     def _node_params(self, n: fx.Node, out, before) -> dict[str, torch.Tensor]:
         """The parameters (that require grad) whose gradient the node's backward hands over, by
@@ -1075,7 +1246,7 @@ def _profile(gm: fx.GraphModule, example_inputs, cost_model: str, repeats: int) 
         for t in _tensors(example_inputs):
             interp.owner.setdefault(_storage_key(t), "")
         interp.run(*example_inputs)
-        costs = tuple(interp.costs)
+        costs = interp.settled_costs()
         interp.env.clear()  # the clocks below time steps as training runs them, nothing else held
         if cost_model == "measured":
             fwd, bwd, step = _time_steps(gm, example_inputs, repeats)

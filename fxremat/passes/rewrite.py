@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ..runtime import recompute
 
-__all__ = ["rewrite"]
+__all__ = ["rewrite", "buffers_read"]
 
 
 def _segment_io(graph: fx.Graph, members: set[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -207,7 +207,7 @@ def _resolve(gm: fx.GraphModule, target: str):
 def _emit_segment(top, gm, i, members, env, attrs, mutated_buffers, nested=None, random=None, views=frozenset()) -> None:
     inputs, outputs = _segment_io(gm.graph, set(members))
     mutated = {b for n in members for b in mutated_buffers.get(n.name, ())}
-    reads = _buffers_read(gm, members, {b for names in mutated_buffers.values() for b in names})
+    reads = buffers_read(gm, members, {b for names in mutated_buffers.values() for b in names})
     name = f"seg_{i}"
     seg = _segment_module(gm, members, inputs, outputs)
     if nested is not None:
@@ -241,12 +241,13 @@ _STATISTICS_UPDATES = (torch.nn.functional.batch_norm, torch.batch_norm, torch.n
                        torch.ops.aten.native_batch_norm.default)
 
 
-def _buffers_read(gm: fx.GraphModule, members, written: set[str]) -> set[str]:
+def buffers_read(gm: fx.GraphModule, members, written: set[str]) -> set[str]:
     """Buffers of ``written`` (those the step mutates) that ``members`` read: through a ``get_attr``
     (``x * (1 + self.steps)``, ``self.steps.add_(1)``) or inside a leaf module that mutates its own
     (not a normalization layer: in training it only updates its statistics). A recomputation
     that read them as the rest of the step left them (a counter one step ahead) differentiated
-    another function than the forward ran: silently wrong gradients."""
+    another function than the forward ran: silently wrong gradients. (Also what
+    :mod:`fxremat.passes.lower` counts: the recomputation's copies of them.)"""
     reads = set()
     for n in members:
         for a in n.all_input_nodes:
