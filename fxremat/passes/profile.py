@@ -609,7 +609,11 @@ class _ProfilingInterpreter(_GraphInterpreter):
 
         def tail_starts(_grads):
             if not head:
-                head.append((tracker.peak_bytes, tracker.own_peak))
+                # what it saved and still holds here (the hook's weight, alive in `hooked`, is the
+                # module's: ``held_bytes``) is not the tail's
+                still = sum(s.nbytes() for s in (ref() for key, ref in tracker._alive.items() if key in saved_keys)
+                            if s is not None)
+                head.append((tracker.peak_bytes, tracker.own_peak, still))
                 tracker.peak_bytes = tracker.live_bytes
 
         for weight in hooked:
@@ -634,6 +638,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # copy of its weight's gradient to float32, its peak (HF ViT under bf16 autocast: +2.5%).
         values = {_storage_key(t) for t in _tensors((out, env_values, list(stand_ins.values())))}
         held = _track_held(tracker, casts.storages + saved, values, self.fake)
+        saved_keys = set(tracker._alive)  # (the tracker has seen nothing else yet)
         saved_copies = {key: owner for key, (ref, owner) in copies.items() if ref() is not None}
         tracker.mark_peak()
         with tracker, allocator:
@@ -646,8 +651,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # the backward's tail: the gradient path through a hook's weight, after the op that read it
         # let go of what it saved and of its incoming gradient (the allocator's peak, which cannot
         # be split, stays with the head)
-        tail = max(0, tracker.peak_bytes - kept) if head else 0
-        peak, own_peak = head[0] if head else (tracker.peak_bytes, tracker.own_peak)
+        tail = max(0, tracker.peak_bytes - kept - head[0][2]) if head else 0
+        peak, own_peak = head[0][:2] if head else (tracker.peak_bytes, tracker.own_peak)
         # (the allocator counts the casts from the start: they were allocated before it began)
         transient = max(0, peak - incoming - kept - held, allocator.peak_bytes - incoming - kept)
         released = max(0, own_peak - kept - transient - held)
