@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import logging
+import operator
 import os
 import re
 import sys
@@ -37,7 +38,7 @@ from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
 from .passes.trace import (CALL_OPS, HookWatch, SettingsWatch, is_torch_hook, module_of, output_rebuilder, trace,
-                           varargs_reason)
+                           varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -186,6 +187,7 @@ def _check_inputs(gm: torch.nn.Module, inputs: tuple, api: str = "compile") -> N
                 "to profile it: pass real tensors, or fake tensors made under "
                 "torch._subclasses.fake_tensor.FakeTensorMode to plan without allocating"
             )
+    _refuse_written_inputs(gm, inputs, api, {id(t) for t in state})
     devices = {t.device for t in state}
     if len(devices) == 1:
         (device,) = devices
@@ -196,6 +198,52 @@ def _check_inputs(gm: torch.nn.Module, inputs: tuple, api: str = "compile") -> N
                     f"parameters are on {device}; move the inputs with .to({str(device)!r}) (or the model "
                     f"with .to({str(x.device)!r})) before the call"
                 )
+
+
+# Ops whose result is a view of their first argument: an in-place write through one writes the input.
+_VIEW_METHODS = frozenset({"view", "view_as", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
+                           "expand_as", "narrow", "select", "unflatten", "detach", "as_strided"})
+
+
+def _writes_by_name(method: str) -> bool:
+    """Whether a tensor method writes its tensor, by torch's naming (``zero_``, ``fill_``), not a flag
+    (``requires_grad_``)."""
+    return method.endswith("_") and not method.startswith("_") and method != "requires_grad_"
+
+
+def _refuse_written_inputs(gm: torch.nn.Module, inputs: tuple, api: str, state: set[int]) -> None:
+    """Refuse a forward that writes a tensor input in place (``x.mul_(2)``, ``x /= 255``, or
+    through a view of it). Eager runs the write once per step on the caller's tensor; here
+    profiling runs the forward several times on it (the example input came back multiplied by 8)
+    and a recomputed segment reads it after the write, which the backward then refuses with
+    torch's bare "modified by an inplace operation" error. (``state``: ids of the model's parameters
+    and buffers, which a BatchNorm writes as it should, wherever a graph takes them as inputs.)"""
+    if not isinstance(gm, fx.GraphModule):
+        return
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensor_inputs = {p for p, x in zip(placeholders, inputs) if isinstance(x, torch.Tensor) and id(x) not in state}
+    if not tensor_inputs:
+        return
+    for node in gm.graph.nodes:
+        if node.op not in CALL_OPS:
+            continue
+        written = written_inputs(gm, node)
+        if not written and node.op == "call_method" and _writes_by_name(node.target) and node.args:
+            written = [node.args[0]]  # x[:, 0].zero_(), x.fill_(0), x.copy_(y): by the method's name
+        for written in [w for w in written if isinstance(w, fx.Node)]:
+            base = written
+            while base.op != "placeholder" and base.args and isinstance(base.args[0], fx.Node) and (
+                    base.target is operator.getitem or (base.op == "call_method" and base.target in _VIEW_METHODS)):
+                base = base.args[0]
+            if base in tensor_inputs:
+                source, code = _user_frame(node.meta.get("stack_trace") or "")
+                where = f" at {source}: {code}" if source else ""
+                op = getattr(node.target, "__name__", node.target)
+                raise ValueError(
+                    f"fxremat.{api}: the forward writes its input {base.target!r} in place ({op}"
+                    f"{where}); fxremat runs the forward more than once on its inputs (profiling, recomputation), "
+                    f"so the write would be repeated. Write to a new tensor instead ({base.target} = "
+                    f"{base.target} * 2 rather than {base.target}.mul_(2) or *=), or make the write in the caller")
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -466,6 +514,24 @@ def _check_unwrapped(model: torch.nn.Module, api: str) -> None:
                 + ("; with DDP pass cost_model='flops' so every rank makes the same plan"
                    if wrap.startswith("Distributed") else "")
             )
+    _check_scripted(model, api)
+
+
+def _check_scripted(model: torch.nn.Module, api: str) -> None:
+    """Refuse a TorchScript submodule (``torch.jit.script``) that holds buffers. torch.fx calls it
+    whole (``body._c.forward``), and what its compiled code writes (a BatchNorm's running
+    statistics) is not seen: profiling changed them for good and nothing is restored after a
+    recomputation. One without buffers is called whole as written."""
+    for path, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            buffers = [f"{path}.{name}" for name, _ in module.named_buffers()]
+            if buffers:
+                raise TypeError(
+                    f"fxremat.{api}: submodule {path!r} is a TorchScript module (torch.jit.script) with buffers "
+                    f"({', '.join(buffers[:3])}{', ...' if len(buffers) > 3 else ''}); fxremat cannot see what its "
+                    f"compiled code writes into them, so profiling and recomputation would update them again. "
+                    f"Pass the module before torch.jit.script (fxremat traces it), or script the model without "
+                    f"fxremat")
 
 
 @dataclass(frozen=True)
@@ -515,7 +581,7 @@ def planned(model: torch.nn.Module, budget, *, example_inputs, strategy: str = "
     _check_unwrapped(model, api)
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(budget, strategy, cost_model, options, api=api, leaf_modules=leaf_modules)
-    with _training_mode(model):  # plan what is trained, also for a model in eval()
+    with _planning_modes(), _training_mode(model):  # plan what is trained, also for a model in eval()
         gm, inputs, plain = _traced_call(model, example_inputs, leaf_modules, api)
         the_plan, _ = _plan_graph(gm, inputs, config, f"the plan passed to fxremat.{api}", plain)
     return Planned(gm, inputs, the_plan)
@@ -528,7 +594,7 @@ def cost_graph(model: torch.nn.Module, *, example_inputs, cost_model: str = "mea
     _check_unwrapped(model, api)
     leaf_modules = _check_leaf_modules(model, leaf_modules, api)
     config = _config(1.0, "auto", cost_model, {"profile_repeats": profile_repeats}, api=api, leaf_modules=leaf_modules)
-    with _training_mode(model):
+    with _planning_modes(), _training_mode(model):
         gm, inputs, _ = _traced_call(model, example_inputs, leaf_modules, api, measure_plain=False)
         return _lowered(gm, inputs, config, any_budget=True)[0]
 
@@ -709,21 +775,22 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                       "step's peak is not measured, and a compiler keeps memory the plan does not see (Inductor on "
                       "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
                       "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
-    with _training_mode(model):
-        traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None,
-                         example_inputs=example_inputs)
-    remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
-    if example_inputs is not None:
-        args, kwargs = _example_call(example_inputs)
-        if traced is None:
-            remat._prepare_call(args, kwargs)
-        else:
-            remat._prepare(remat._bind(args, kwargs))
-    if backend != "eager":
-        remat.compile(backend=backend)
-        if example_inputs is not None and config.fit_compiled_peak:
-            _fit_compiled_peak(remat, args, kwargs, switch_layout=True)
-            remat._remat.fit_signatures = _fits(config)
+    with _planning_modes():
+        with _training_mode(model):
+            traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None,
+                             example_inputs=example_inputs)
+        remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
+        if example_inputs is not None:
+            args, kwargs = _example_call(example_inputs)
+            if traced is None:
+                remat._prepare_call(args, kwargs)
+            else:
+                remat._prepare(remat._bind(args, kwargs))
+        if backend != "eager":
+            remat.compile(backend=backend)
+            if example_inputs is not None and config.fit_compiled_peak:
+                _fit_compiled_peak(remat, args, kwargs, switch_layout=True)
+                remat._remat.fit_signatures = _fits(config)
     return remat
 
 
@@ -917,6 +984,14 @@ def _signature(inputs: tuple) -> tuple:
 # --------------------------------------------------------------------------------------------
 # Modes and hooks: plan what is trained, call hooks as eager PyTorch does
 # --------------------------------------------------------------------------------------------
+
+def _planning_modes():
+    """Inference mode off while compiling or planning: the graph traced and profiled is the one
+    that trains, also when the call sits in an eval script's ``torch.inference_mode()`` (the trace
+    marked every node ``inference_mode`` and profiling crashed on the missing ``grad_fn``). Grad
+    mode is set where each stage needs it (``torch.enable_grad()`` does not leave inference mode)."""
+    return torch.inference_mode(False)
+
 
 @contextlib.contextmanager
 def _training_mode(model: torch.nn.Module):

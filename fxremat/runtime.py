@@ -3,7 +3,8 @@
 ``recompute(segment, *inputs)`` runs a segment under non-reentrant
 ``torch.utils.checkpoint.checkpoint``: its interior is dropped after the forward and recomputed
 just before its backward, with the RNG state (dropout masks; segments emitted with ``rng=False``
-draw none) and autocast state of the original forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
+draw none; the model's own ``torch.Generator``s too, :func:`module_generators`) and autocast state
+of the original forward. Buffers the segment mutates (BatchNorm running statistics, ``num_batches_tracked``),
 named in the call (``restore=``, so they are part of the emitted code and travel with it through
 ``copy.deepcopy``), are restored after the recomputation: they are updated exactly once per step.
 Buffers it reads that the step mutates (``reads=``: a step counter, an EMA read back) hold the
@@ -25,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "put_back"]
+__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "put_back", "module_generators"]
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -35,6 +36,35 @@ def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
     if tensor.shape != value.shape:
         tensor.resize_(value.shape)
     tensor.copy_(value)
+
+
+_GENERATORS: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def module_generators(module: torch.nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects of ``module`` other than torch's default ones: attributes of
+    its submodules (``self.gen = torch.Generator()``) and arguments of its graphs' calls
+    (``torch.rand(shape, generator=self.gen)`` traced: the object is a constant of the node).
+    checkpoint saves and restores the default generators only: a mask drawn from such a generator
+    was drawn again, differently, by the recomputation (silently wrong gradients)."""
+    found: dict[int, torch.Generator] = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Generator):
+                found[id(value)] = value
+        if isinstance(m, fx.GraphModule):
+            for node in m.graph.nodes:
+                fx.node.map_aggregate((node.args, node.kwargs), lambda a: found.setdefault(id(a), a)
+                                      if isinstance(a, torch.Generator) else a)
+    return list(found.values())
+
+
+def _segment_generators(segment: torch.nn.Module) -> list[torch.Generator]:
+    """:func:`module_generators` of a segment, once."""
+    gens = _GENERATORS.get(segment)
+    if gens is None:
+        gens = _GENERATORS[segment] = module_generators(segment)
+    return gens
 
 
 class _Snapshot:
@@ -47,10 +77,12 @@ class _Snapshot:
         self.buffers = buffers
         self.values: list[torch.Tensor] = []
         self.params: list[tuple[dict, str, torch.Tensor, int, str]] = []
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self):
         with torch.no_grad():
             self.values = [b.clone() for b in self.buffers]
+        self.generators = [(g, g.get_state()) for g in _segment_generators(self.segment)]
 
     def __exit__(self, *exc):
         self.params = [(slots, name, slots[name], slots[name]._version, path)
@@ -93,17 +125,22 @@ class _Recomputation:
                     f"eager PyTorch refuses this too (\"modified by an inplace operation\"). Call backward "
                     f"before changing parameters (an optimizer step after the backward, not between)")
         with torch.no_grad():
-            self.held.append(([b.clone() for b in self.buffers], swapped))
+            self.held.append(([b.clone() for b in self.buffers], swapped,
+                              [(g, g.get_state()) for g, _ in self.snapshot.generators]))
             for b, value in zip(self.snapshot.buffers, self.snapshot.values):
                 put_back(b, value)
+        for g, state in self.snapshot.generators:  # the module's own generators draw as in the forward
+            g.set_state(state)
 
     def __exit__(self, *exc):
-        values, swapped = self.held.pop()
+        values, swapped, generators = self.held.pop()
         with torch.no_grad():
             for b, value in zip(self.buffers, values):
                 put_back(b, value)
         for slots, name, param in swapped:
             slots[name] = param
+        for g, state in generators:
+            g.set_state(state)
         return False
 
 

@@ -76,7 +76,9 @@ class _Gumbel(nn.Module):
     """GroupViT's sampling: a torch.distributions object checks its arguments' values."""
 
     def forward(self, logits):
-        gumbel = torch.distributions.Gumbel(torch.zeros((), dtype=logits.dtype), torch.ones((), dtype=logits.dtype))
+        # (validate_args given: the default is a global, which torch.compile turns off for good)
+        gumbel = torch.distributions.Gumbel(torch.zeros((), dtype=logits.dtype), torch.ones((), dtype=logits.dtype),
+                                            validate_args=True)
         return (logits + gumbel.sample(logits.shape)).softmax(-1)
 
 

@@ -749,3 +749,151 @@ def test_a_compiled_module_is_not_compiled_again_and_a_bad_call_names_the_forwar
     with pytest.raises(TypeError, match=r"fxremat.RematModule: Net.forward\(\) missing a required argument: 'x'"):
         remat()
     assert fxremat.PlanMismatchError is PlanMismatchError  # named by load_plan's docstring
+
+
+# --------------------------------------------------------------------------------------------
+# audit round 3: where compiling and tracing run, and what they cannot replay
+# --------------------------------------------------------------------------------------------
+
+def test_compiling_inside_inference_mode_plans_the_graph_that_trains():
+    """An eval script's ``torch.inference_mode()`` around ``fxremat.compile``: the trace marked
+    every node ``inference_mode`` and profiling crashed ("'NoneType' object has no attribute
+    '_sequence_nr'"). Compiling leaves inference mode; the model then trains as eager."""
+    plain, model = pair(_net())
+    other = _net()  # built outside: parameters made in inference mode cannot train in eager either
+    with torch.inference_mode():
+        remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+        plan = fxremat.plan(other, "min", example_inputs=(X,), cost_model="flops")
+    assert plan.predicted_peak_bytes == remat.plan.predicted_peak_bytes
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+
+
+def test_a_scripted_submodule_is_called_whole():
+    """A ``torch.jit.script``'ed submodule is one call of its compiled ``forward`` in the graph;
+    watching the settings of the modules traced through iterated its ``_modules`` (no dict) and
+    raised a bare ``KeyError: 0``. One with buffers is refused: what its compiled code writes
+    (a BatchNorm's statistics) is not seen, so nothing would put it back."""
+    class WithScripted(nn.Module):
+        def __init__(self, *body):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.body = torch.jit.script(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), *body, nn.ReLU()))
+            self.head = nn.Conv2d(8, 4, 1)
+
+        def forward(self, x):
+            return self.head(self.body(torch.relu(self.stem(x))))
+
+    torch.manual_seed(0)
+    plain = WithScripted()
+    torch.manual_seed(0)  # a scripted module's deepcopy does not train (its copy's .grad stays None)
+    model = WithScripted()
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    _assert_trains_like(with_grads(plain), with_grads(remat), X)
+    with pytest.raises(TypeError, match=r"submodule 'body' is a TorchScript module .* \(body.1.running_mean, "):
+        fxremat.compile(WithScripted(nn.BatchNorm2d(8)), "min", cost_model="flops")
+
+
+def test_a_forward_drawing_from_pythons_random_is_warned_about():
+    """``if random.random() < p: return h`` (a LayerDrop) is a Python value at trace time: torch.fx
+    bakes the draw in, and every step took one branch, silently, where eager takes each on some."""
+    import random
+
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if self.training and random.random() < 0.5:
+                return h
+            return torch.relu(self.b(h)) + h
+
+    x = torch.randn(4, 8)
+    random.seed(0)  # the two traces (autocast off and on) draw the same branch: traced by torch.fx
+    with pytest.warns(UserWarning, match=r"LayerDrop's forward drew from Python's random module .* torch.fx ran"):
+        fxremat.compile(LayerDrop(), "min", example_inputs=(x,), cost_model="flops")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a forward that draws with torch is not warned about
+        fxremat.compile(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), "min", example_inputs=(x,),
+                        cost_model="flops")
+
+
+class _WritesInput(nn.Module):
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, scale: float):
+        if self.write == "method":
+            x.mul_(2)
+        elif self.write == "augmented":
+            x /= 255
+        elif self.write == "view":
+            x[:, 0].zero_()
+        scale *= 2  # a number's augmented assignment writes nothing
+        h = self.a(x)
+        h.mul_(scale)  # nor does a write into an activation
+        return self.b(torch.relu(h))
+
+
+@pytest.mark.parametrize("write", ["method", "augmented", "view"])
+def test_a_forward_writing_its_input_in_place_is_refused(write):
+    """``x.mul_(2)`` on the input: eager writes the caller's tensor once a step; profiling ran the
+    forward on the example input several times (it came back multiplied by 8), and the backward
+    of a recomputed segment failed with torch's bare "modified by an inplace operation"."""
+    x = torch.randn(4, 8)
+    given = x.clone()
+    with pytest.raises(ValueError, match=r"fxremat.compile: the forward writes its input 'x' in place \(\w+ at "):
+        fxremat.compile(_WritesInput(write), "min", example_inputs=(x, 1.0), cost_model="flops")
+    assert torch.equal(x, given)
+    remat = fxremat.compile(_WritesInput(write), "min", cost_model="flops")
+    with pytest.raises(ValueError, match="writes its input 'x' in place"):
+        remat(x, 1.0)
+    plain, model = pair(_WritesInput(None))
+    remat = fxremat.compile(model, "min", example_inputs=(x, 1.0), cost_model="flops")
+    for step in range(2):
+        torch.manual_seed(step)
+        expected, got = plain(x, 1.0), remat(x, 1.0)
+        loss_of(expected).backward()
+        loss_of(got).backward()
+        assert torch.equal(expected, got)
+    assert_same_state(plain, remat)
+
+
+def test_a_forward_assigning_a_traced_value_to_an_attribute_is_warned_about():
+    """``self.feat = h`` in forward, read by a loss or a log after the step: the graph does not
+    replay the assignment, and ``remat.feat`` kept the tensor of the call at compile time (the
+    example input's), silently."""
+    class Stash(Net):
+        def forward(self, x):
+            self.feat = self.encode(x)
+            return self.head(self.feat)
+
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=r"Stash's forward assigns traced values to module attributes \(self.feat\)"):
+        fxremat.compile(Stash(), "min", example_inputs=(X,), cost_model="flops")
+
+
+@pytest.mark.parametrize("example", [True, False])
+def test_a_mask_drawn_from_a_modules_own_generator_is_drawn_once(example):
+    """``torch.rand(shape, generator=self.gen)``: checkpoint replays torch's default generators
+    only, so the recomputation drew another mask (every gradient differed), and compiling's
+    profiling advanced the generator (the first step's output differed). Its state is put back
+    after profiling and replayed for each recomputation, as the default generators' are."""
+    class OwnGenerator(Net):
+        def __init__(self):
+            super().__init__()
+            self.gen = torch.Generator().manual_seed(7)
+
+        def forward(self, x):
+            h = self.encode(x)
+            return self.head(h * (torch.rand(h.shape, generator=self.gen) > 0.3) / 0.7)
+
+    torch.manual_seed(0)
+    plain, model = pair(OwnGenerator())
+    remat = fxremat.compile(model, "min", example_inputs=(X,) if example else None, cost_model="flops")
+    _assert_trains_like(with_grads(plain), with_grads(remat), X, steps=3)
+    assert remat.plan.recomputed_nodes
+    assert torch.equal(plain.gen.get_state(), remat.gen.get_state())

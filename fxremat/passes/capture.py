@@ -71,7 +71,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from ..errors import TraceError
 from .profile import PlainForward, forward_bytes, preserved_state
 from .trace import (function_call, functions_routed, hooked_modules, own_checkpoint_warning, own_checkpoints_seen,
-                    restore_modes, trace, user_line, varargs_reason)
+                    python_draws_warned, restore_modes, trace, user_line, varargs_reason)
 
 __all__ = ["Captured", "capture_call", "tensor_leaves"]
 
@@ -473,7 +473,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict) -> 
     plain = _plain_calls(model, opaque, args, kwargs) if opaque else {}
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
-              _forwards_replaced(opaque, _opaque(opaque, plain))):
+              python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain))):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     finally:
         calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)

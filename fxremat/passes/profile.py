@@ -64,7 +64,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
-from ..runtime import put_back
+from ..runtime import module_generators, put_back
 from .state import StateWrites
 from .trace import CALL_OPS, is_torch_hook, module_of, written_inputs
 
@@ -1106,8 +1106,10 @@ def _step_ms(module, inputs, params: list[torch.Tensor]) -> float:
 
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
-    """Restore the module's buffers and the CPU/CUDA RNG state on exit."""
+    """Restore the module's buffers, the CPU/CUDA RNG state and the module's own generators'
+    (:func:`~fxremat.runtime.module_generators`) on exit."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    generators = [(g, g.get_state()) for g in module_generators(module)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -1119,6 +1121,8 @@ def preserved_state(module: torch.nn.Module):
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        for g, state in generators:
+            g.set_state(state)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import linecache
 import logging
 import operator
 import os
+import random
 import re
 import sys
 import traceback
@@ -342,6 +343,10 @@ class SettingsWatch:
         leaves = {n.target for n in traced.graph.nodes if n.op == "call_module"} if traced is not None else set()
         self.where, self.leaf = [], []  # ((module.__dict__, name), "path.name"), whether a leaf's
         for path, module in model.named_modules():
+            if isinstance(module, torch.jit.ScriptModule):
+                # TorchScript compiled its settings in, and torch.fx calls it whole (``mid._c``'s
+                # ``forward``); its ``_modules`` is no dict (iterating it raised ``KeyError: 0``)
+                continue
             leaf = path in leaves
             prefix = f"{path}." if path else ""
             for name, value in vars(module).items():
@@ -690,17 +695,62 @@ def _kept_whole(cls, run, args, kwargs):
     return proxy
 
 
+def _python_rng_states() -> tuple:
+    """The states of the random number generators Python code draws from outside torch: the
+    ``random`` module's and, where numpy is imported, numpy's global one."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state()[1].tobytes() if numpy is not None else None)
+
+
+@contextlib.contextmanager
+def python_draws_warned(model: torch.nn.Module, how: str):
+    """Warn where the forward drew from Python's ``random`` (or numpy's) while ``how`` ran it:
+    the draw is a Python value, which the trace records as a constant, so every training step takes
+    the trace's branch (a LayerDrop written ``if random.random() < p: return x`` skipped its layer
+    on every step, or on none, silently, where eager skips it on some)."""
+    before = _python_rng_states()
+    yield
+    if _python_rng_states() != before:
+        warnings.warn(
+            f"fxremat: {type(model).__name__}'s forward drew from Python's random module (or numpy's) while "
+            f"{how} ran it: the value drawn is baked into the graph as a constant, so every training step takes "
+            "the branch of that draw (eager draws again each step). Draw with torch instead (torch.rand(...), "
+            "applied as a tensor: x * mask), or pass the submodule that draws as leaf_modules=(...) so that its "
+            "Python runs at each call.", UserWarning, stacklevel=2)
+
+
 def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, probe: tuple) -> fx.Graph:
     # Grad enabled, as in the training forward the graph replaces (also when compile is called
     # under no_grad): only the model's own no_grad regions are marked. Tracing never changes the
     # model's state: what the traced code writes on real tensors is put back (and reported).
-    with torch.enable_grad(), functions_routed(_kept_whole), _autocast_set_to(
+    with python_draws_warned(model, "torch.fx"), torch.enable_grad(), functions_routed(_kept_whole), _autocast_set_to(
         tracer.autocast_devices, probe
     ), kept_state(model, owner=lambda: tracer.stack[-1] if tracer.stack else "") as writes:
         tracer.state_writes = writes.written
         graph = tracer.trace(model, concrete_args=concrete_args)
         _write_back_assigned_buffers(model, tracer, graph)
+        _warn_assigned_values(model, tracer)
         return graph
+
+
+def _warn_assigned_values(model: torch.nn.Module, tracer: fx.Tracer) -> None:
+    """Warn where the traced forward assigned a traced value to a module attribute
+    (``self.feat = h``, ``self.attn_map = attn``): the graph does not replay Python assignments,
+    so the attribute kept what one call at compile time left there (a tensor of the example input),
+    and a loss or a log reading it after a step read that, silently (with a backward through it,
+    torch's bare "modified by an inplace operation")."""
+    assigned = [f"{prefix}.{name}" if prefix else name
+                for prefix, module in model.named_modules()
+                for name, value in vars(module).items()
+                if isinstance(value, fx.Proxy) and value.tracer is tracer]
+    if assigned:
+        shown = ", ".join(f"self.{a}" if "." not in a else a for a in assigned[:3])
+        warnings.warn(
+            f"fxremat: {type(model).__name__}'s forward assigns traced values to module attributes ({shown}"
+            f"{', ...' if len(assigned) > 3 else ''}): the compiled graph does not replay Python assignments, so "
+            "after a training step they hold a value of the call at compile time, not of the step. Return the "
+            "value from forward, or collect it with a forward hook on the submodule that makes it.",
+            UserWarning, stacklevel=2)
 
 
 def _write_back_assigned_buffers(model: torch.nn.Module, tracer: fx.Tracer, graph: fx.Graph) -> None:
