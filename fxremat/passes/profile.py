@@ -1107,7 +1107,11 @@ def _step_ms(module, inputs, params: list[torch.Tensor]) -> float:
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
     """Restore the module's buffers, the CPU/CUDA RNG state and the module's own generators'
-    (:func:`~fxremat.runtime.module_generators`) on exit."""
+    (:func:`~fxremat.runtime.module_generators`) on exit, and let go of autocast's cached casts:
+    planning inside the caller's autocast region (the first step of a new input signature) left
+    the profile's bf16 cast of a parameter in the cache, and the step then read that cast, whose
+    autograd node was older than its own: Hugging Face BART's tied ``shared.weight`` (three
+    readers) summed its gradient's terms in another order (7.5e-9 off eager on the first step)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     generators = [(g, g.get_state()) for g in module_generators(module)]
     cpu_rng = torch.get_rng_state()
@@ -1123,6 +1127,7 @@ def preserved_state(module: torch.nn.Module):
             torch.cuda.set_rng_state_all(cuda_rng)
         for g, state in generators:
             g.set_state(state)
+        torch.clear_autocast_cache()
 
 
 @dataclass(frozen=True)
