@@ -299,6 +299,14 @@ class _BackwardTracker(LiveStorageTracker):
         self.own_peak = 0
         self.alive_at_peak: set[int] = set()
 
+    def alive_keys(self) -> set[int]:
+        """The storages it holds alive now (by key)."""
+        return set(self._alive)
+
+    def alive_bytes_of(self, keys: set[int]) -> int:
+        """Bytes of those of the storages ``keys`` that are still alive."""
+        return sum(s.nbytes() for s in (ref() for key, ref in self._alive.items() if key in keys) if s is not None)
+
     def handed_bytes(self) -> int:
         """Bytes of the gradients handed to the backward that are still alive."""
         return sum(g.nbytes() for g in (ref() for ref in self.made) if g is not None)
@@ -611,9 +619,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
             if not head:
                 # what it saved and still holds here (the hook's weight, alive in `hooked`, is the
                 # module's: ``held_bytes``) is not the tail's
-                still = sum(s.nbytes() for s in (ref() for key, ref in tracker._alive.items() if key in saved_keys)
-                            if s is not None)
-                head.append((tracker.peak_bytes, tracker.own_peak, still))
+                head.append((tracker.peak_bytes, tracker.own_peak, tracker.alive_bytes_of(saved_keys)))
                 tracker.peak_bytes = tracker.live_bytes
 
         for weight in hooked:
@@ -638,7 +644,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # copy of its weight's gradient to float32, its peak (HF ViT under bf16 autocast: +2.5%).
         values = {_storage_key(t) for t in _tensors((out, env_values, list(stand_ins.values())))}
         held = _track_held(tracker, casts.storages + saved, values, self.fake)
-        saved_keys = set(tracker._alive)  # (the tracker has seen nothing else yet)
+        saved_keys = tracker.alive_keys()  # (the tracker has seen nothing else yet)
         saved_copies = {key: owner for key, (ref, owner) in copies.items() if ref() is not None}
         tracker.mark_peak()
         with tracker, allocator:
