@@ -37,8 +37,8 @@ from .passes.profile import COST_MODELS, GraphCosts, PlainForward, forward_bytes
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import (CALL_OPS, HookWatch, SettingsWatch, is_torch_hook, module_of, output_rebuilder, trace,
-                           varargs_reason, written_inputs)
+from .passes.trace import (CALL_OPS, HookWatch, ModeCall, SettingsWatch, has_hooks, is_torch_hook, module_of,
+                           output_rebuilder, trace, varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -374,13 +374,53 @@ def _chosen(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphCos
     """Solve a lowered graph under ``config`` (autotuning where it asks) and make the Plan;
     ``plain_peak_bytes``: the baseline, where it is not the graph's simulated plain peak."""
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
-        choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, plain_peak_bytes=plain_peak_bytes,
-                        nested=config.nested, early_stop=_early_stop(config, gm, inputs))
+        try:
+            choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
+                            rotor_slots=config.rotor_slots, plain_peak_bytes=plain_peak_bytes,
+                            nested=config.nested, early_stop=_early_stop(config, gm, inputs))
+        except InfeasibleBudgetError as exc:
+            hint = _leaf_hint(gm, costs, exc.min_feasible_bytes, config.leaf_modules)
+            if hint is None:
+                raise
+            raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes, hint) from None
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
         return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend)
     return _plan_from(graph, choice, costs.cost_model, nodes=nodes, key=key)
+
+
+_LEAF_SHARE = 0.5  # of the least feasible peak, held inside one leaf node: named in InfeasibleBudgetError
+
+
+def _leaf_hint(gm: fx.GraphModule, costs: GraphCosts, least_bytes: int, leaf_modules=()) -> str | None:
+    """Where one leaf module's node (``call_module``) holds at least half the least feasible peak
+    inside it — what its forward saves for its backward beyond its inputs and output, and its
+    temporaries, which no plan recomputes away while it runs whole — a sentence naming it and how
+    to plan inside it; else ``None``. (A whole ``nn.TransformerEncoder`` kept as one node held 94%
+    of it, and the error said only to raise the budget.)"""
+    calls = {n.name: n for n in gm.graph.nodes if n.op == "call_module"}
+    inside = {c.name: c.extra_bytes + max(c.fwd_transient_bytes, c.bwd_transient_bytes)
+              for c in costs.nodes if c.name in calls}
+    name = max(inside, key=inside.get, default=None)
+    if name is None or inside[name] < _LEAF_SHARE * least_bytes:
+        return None
+    module = gm.get_submodule(calls[name].target)
+    module = module.inner if isinstance(module, ModeCall) and module.inner is not None else module
+    path, cls = module_of(gm, calls[name])[0] or calls[name].target, type(module).__name__
+    classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+    if path in leaf_modules or isinstance(module, classes):
+        how = "it is in leaf_modules: leave it out to plan inside it"
+    elif has_hooks(module):
+        how = "a module with hooks is called whole: remove its hooks while training to plan inside it"
+    elif type(module).__module__.startswith("torch.nn."):
+        how = (f"torch.fx cannot trace into torch.nn's {cls}, so only smaller inputs (batch, sequence) lower what "
+               "it holds")
+    else:
+        how = (f"its forward could not be traced (a warning said why when it was made a leaf): make that code "
+               f"traceable to plan inside it, or compile it apart (model.{path} = fxremat.compile(model.{path}, ...))")
+    return (f"Of that peak, {format_bytes(inside[name])} ({inside[name] / least_bytes:.0%}) is held inside the leaf "
+            f"node {name!r} (submodule {path!r}, {cls}): what it saves for its backward and its temporaries, "
+            f"which no plan recomputes away while it runs as one node; {how}")
 
 
 def _autotuned(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, choice: Choice, costs: GraphCosts,

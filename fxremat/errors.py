@@ -23,13 +23,14 @@ class InfeasibleBudgetError(ValueError):
     ``min_feasible_bytes`` holds that smallest peak; ``budget="min"`` plans for it.
     """
 
-    def __init__(self, budget_bytes: int, min_feasible_bytes: int):
+    def __init__(self, budget_bytes: int, min_feasible_bytes: int, hint: str | None = None):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
+        self.hint = hint  # what holds that peak up, where one node does (see fxremat.api._leaf_hint)
         super().__init__(
             f"fxremat: budget {budget_bytes} bytes ({_mib_gib(budget_bytes)}) is below the "
             f"smallest feasible peak {min_feasible_bytes} bytes ({_mib_gib(min_feasible_bytes)}) "
-            "for this model and input; raise the budget or use budget='min'"
+            "for this model and input; raise the budget or use budget='min'" + (f". {hint}" if hint else "")
         )
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxremat
-from _models import assert_same_state, pair
+from _models import assert_same_state, pair, with_grads
 from fxremat.passes.trace import writes_in_place
 
 
@@ -733,3 +733,65 @@ def test_a_parameter_defaulting_to_none_is_traced_as_the_example_inputs_give_it(
         compiled(x, mask)
     masked = fxremat.compile(copy.deepcopy(plain), "min", example_inputs={"x": x, "mask": mask}, cost_model="flops")
     assert torch.equal(masked(x, mask=mask), plain(x, mask))
+
+
+class _TorchTransformer(nn.Module):
+    """A model written with torch's own transformer modules, as users write them: token embeddings,
+    then ``nn.TransformerEncoder`` (``"encoder"``: pre-norm, batch first, a key padding mask) or
+    ``nn.Transformer`` (``"seq2seq"``: post-norm, sequence first, padding masks and a causal target
+    mask whose ``tgt_is_causal`` torch detects), dropout on, then a linear head."""
+
+    def __init__(self, kind: str, d=16, length=8):
+        super().__init__()
+        self.kind = kind
+        self.emb = nn.Embedding(32, d)
+        if kind == "seq2seq":
+            self.tr = nn.Transformer(d, 2, 2, 2, 2 * d, dropout=0.1)
+        else:
+            layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.1, batch_first=True, norm_first=True)
+            self.tr = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(length // 2))
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, ids, pad):
+        h = self.emb(ids)
+        if self.kind == "seq2seq":
+            h = h.transpose(0, 1)
+            h = self.tr(h, h[: h.shape[0] // 2], tgt_mask=self.causal, src_key_padding_mask=pad,
+                        memory_key_padding_mask=pad).transpose(0, 1)
+        else:
+            h = self.tr(h, src_key_padding_mask=pad)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("kind", ["encoder", "seq2seq"])
+def test_torch_transformer_modules_are_planned_inside(kind):
+    """torch.fx keeps every torch.nn module whole: a 2-layer nn.TransformerEncoder was one node, so
+    "min" saved 0.0% and a budget of 0.5 was infeasible. Traced through, its layers' norms, linears,
+    dropouts and attentions are nodes; the compiled model is bitwise eager's in training (dropout,
+    masks) and calls the model itself in eval() (where torch takes its fast path)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 32, (2, 8))
+    pad = torch.tensor([[False] * 8, [False] * 5 + [True] * 3])
+    plain, model = pair(_TorchTransformer(kind).train())
+    compiled = fxremat.compile(model, "min", example_inputs=(ids, pad), cost_model="flops")
+    modules = " ".join(n.module for n in compiled.plan.nodes)
+    assert "layers.1.linear1 (Linear)" in modules and "layers.1.self_attn (MultiheadAttention)" in modules
+
+    def step(m):
+        torch.manual_seed(1)
+        out = m(ids, pad)
+        F.cross_entropy(out, torch.tensor([1, 3])).backward()
+        return out
+
+    with_grads(plain), with_grads(compiled)
+    out_a, plain_peak = fxremat.measure_peak(step, plain)
+    out_b, peak = fxremat.measure_peak(step, compiled)
+    assert torch.equal(out_a, out_b)
+    assert_same_state(plain, compiled)
+    assert peak <= 1.05 * compiled.plan.budget_bytes
+    assert peak <= 0.7 * plain_peak, (peak, plain_peak)  # as one node: 0.0% saved
+    assert abs(compiled.plan.baseline_peak_bytes / plain_peak - 1) <= 0.02
+    plain.eval(), compiled.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(ids, pad), compiled(ids, pad))

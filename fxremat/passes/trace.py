@@ -1,6 +1,9 @@
 """Trace an ``nn.Module`` into a ``torch.fx.GraphModule`` whose call nodes are the DAG's nodes.
 
-- Submodules given in ``leaf_modules`` (classes or qualified names) become single nodes.
+- Submodules given in ``leaf_modules`` (classes or qualified names) become single nodes; so does
+  every other torch.nn module (torch.fx's default), except torch's transformer modules in training
+  mode (``nn.TransformerEncoder``, ``nn.Transformer``, their layers), which are traced through down
+  to their norms, linears, dropouts and ``nn.MultiheadAttention`` (``_TRACED_TORCH_MODULES``).
 - A submodule that torch.fx cannot trace (data-dependent control flow) is traced as a leaf
   automatically, with a warning naming it; a failure in the top-level ``forward`` raises
   :class:`fxremat.TraceError`.
@@ -109,6 +112,99 @@ _INPLACE_OPERATORS = frozenset([operator.iadd, operator.isub, operator.imul, ope
                                 operator.ior] + [globals()[name] for name in _AUGMENTED])
 
 
+# torch.nn's transformer modules: torch.fx keeps every torch.nn module whole (its default
+# is_leaf_module), and a whole nn.TransformerEncoder was one node holding all a classifier's
+# activations ("min" saved 0.0%, budget 0.5 was infeasible). In training mode they are traced
+# through, down to their norms, linears, dropouts and nn.MultiheadAttention (which stays one node:
+# its forward branches on its input's number of dimensions). Their Python on traced values is made
+# traceable while tracing (_transformers_traceable): the fast path's conditions are skipped (it is
+# never taken in training mode, and the graph only runs in training: in eval() the compiled module
+# calls the model itself, fast path included; one in eval() inside a training model stays a leaf,
+# where eager may take it), and the helpers that read a mask's dtype or a tensor's size become
+# nodes of the graph; nn.Transformer's own forward is replaced by its two calls
+# (_transformer_forward).
+_TRACED_TORCH_MODULES = (torch.nn.Transformer, torch.nn.TransformerEncoder, torch.nn.TransformerDecoder,
+                         torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+
+
+def _transformer_forward(module: torch.nn.Transformer, *args, **kwargs):
+    """``nn.Transformer.forward`` while tracing: its encoder's and decoder's calls, as it makes
+    them, without its checks of the inputs' sizes (``src.size(0) != tgt.size(0)``: Python on
+    traced values; a wrong size still fails, in the attention)."""
+    bound = inspect.signature(torch.nn.Transformer.forward).bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    memory = module.encoder(a["src"], mask=a["src_mask"], src_key_padding_mask=a["src_key_padding_mask"],
+                            is_causal=a["src_is_causal"])
+    return module.decoder(a["tgt"], memory, tgt_mask=a["tgt_mask"], memory_mask=a["memory_mask"],
+                          tgt_key_padding_mask=a["tgt_key_padding_mask"],
+                          memory_key_padding_mask=a["memory_key_padding_mask"],
+                          tgt_is_causal=a["tgt_is_causal"], memory_is_causal=a["memory_is_causal"])
+
+
+def _recorded(fn, when):
+    """``fn`` as the transformer modules call it while tracing: a call node of ``fn`` itself where
+    ``when(arguments)`` says its Python would read a traced value, else ``fn`` run as written."""
+    signature = inspect.signature(fn)
+
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        proxies = [v for v in bound.arguments.values() if isinstance(v, fx.Proxy)]
+        if not proxies or not when(bound.arguments):
+            return fn(*args, **kwargs)
+        return proxies[0].tracer.create_proxy("call_function", fn, args, kwargs)
+
+    call.__wrapped__ = fn
+    return call
+
+
+def _helpers_recorded() -> list[tuple[object, str, object]]:
+    """``(module, name, wrapper)`` of the helpers of torch's transformer modules that read a traced
+    value's dtype or size (``F._canonical_mask``: a boolean mask becomes a float one)."""
+    functional, transformer = torch.nn.functional, torch.nn.modules.transformer
+    proxy = lambda v: isinstance(v, fx.Proxy)  # noqa: E731
+    return [
+        (functional, "_canonical_mask", _recorded(functional._canonical_mask, lambda a: proxy(a["mask"]))),
+        (functional, "_none_or_dtype", _recorded(functional._none_or_dtype, lambda a: proxy(a["input"]))),
+        (transformer, "_get_seq_len", _recorded(transformer._get_seq_len, lambda a: proxy(a["src"]))),
+        # it compares a mask with a causal one only where is_causal is None
+        (transformer, "_detect_is_causal_mask", _recorded(
+            transformer._detect_is_causal_mask,
+            lambda a: proxy(a["is_causal"]) or (a["is_causal"] is None and proxy(a["mask"])))),
+    ]
+
+
+@contextlib.contextmanager
+def _transformers_traceable():
+    """While in it, torch's transformer modules are traceable (see ``_TRACED_TORCH_MODULES``):
+    the attention fast path is off and their helpers record call nodes. Gives the helpers (the
+    targets of those nodes)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    patched = [(module, name, wrapper.__wrapped__, wrapper) for module, name, wrapper in _helpers_recorded()]
+    torch.backends.mha.set_fastpath_enabled(False)
+    for module, name, _, wrapper in patched:
+        setattr(module, name, wrapper)
+    try:
+        yield frozenset(original for _, _, original, _ in patched)
+    finally:
+        for module, name, original, _ in patched:
+            setattr(module, name, original)
+        torch.backends.mha.set_fastpath_enabled(fast)
+
+
+def _drop_unused_helpers(graph: fx.Graph, helpers: frozenset) -> None:
+    """Erase the calls of ``helpers`` and the attribute reads (``src.dtype``) that torch's
+    transformer modules made while traced and that nothing uses (where no mask is given)."""
+    for node in reversed(list(graph.nodes)):
+        if node.op != "call_function" or node.users:
+            continue
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        inside = bool(stack) and isinstance(stack[-1], tuple) and stack[-1][1] in _TRACED_TORCH_MODULES
+        if node.target in helpers or (node.target is getattr and inside):
+            graph.erase_node(node)
+
+
 class _LeafTracer(fx.Tracer):
     """An fx.Tracer that keeps the configured leaves and remembers the module being traced.
 
@@ -163,6 +259,8 @@ class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
         if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)) or has_hooks(m):
             return True
+        if type(m) in _TRACED_TORCH_MODULES and m.training:  # torch.nn's, traced through (see there)
+            return False
         return super().is_leaf_module(m, qualname)
 
     def create_arg(self, a):
@@ -199,6 +297,8 @@ class _LeafTracer(fx.Tracer):
         traced = not self.is_leaf_module(m, path)
         if traced:
             self.events.append(("enter", path))
+            if type(m) is torch.nn.Transformer:  # its own forward checks the inputs' sizes in Python
+                forward = functools.partial(_transformer_forward, m)
         out = super().call_module(m, forward, args, kwargs)
         if traced:
             self.events.append(("exit", path))
@@ -725,9 +825,11 @@ def _trace_under(tracer: _LeafTracer, model: torch.nn.Module, concrete_args, pro
     # model's state: what the traced code writes on real tensors is put back (and reported).
     with python_draws_warned(model, "torch.fx"), torch.enable_grad(), functions_routed(_kept_whole), _autocast_set_to(
         tracer.autocast_devices, probe
-    ), kept_state(model, owner=lambda: tracer.stack[-1] if tracer.stack else "") as writes:
+    ), kept_state(model, owner=lambda: tracer.stack[-1] if tracer.stack else "") as writes, \
+            _transformers_traceable() as helpers:
         tracer.state_writes = writes.written
         graph = tracer.trace(model, concrete_args=concrete_args)
+        _drop_unused_helpers(graph, helpers)
         _write_back_assigned_buffers(model, tracer, graph)
         _warn_assigned_values(model, tracer)
         return graph
