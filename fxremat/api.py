@@ -38,7 +38,7 @@ from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
 from .passes.trace import (CALL_OPS, HookWatch, ModeCall, SettingsWatch, has_hooks, is_torch_hook, module_of,
-                           output_rebuilder, trace, varargs_reason, written_inputs)
+                           output_rebuilder, trace, unpacked, varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -202,7 +202,7 @@ def _check_inputs(gm: torch.nn.Module, inputs: tuple, api: str = "compile") -> N
 
 # Ops whose result is a view of their first argument: an in-place write through one writes the input.
 _VIEW_METHODS = frozenset({"view", "view_as", "permute", "transpose", "t", "squeeze", "unsqueeze", "expand",
-                           "expand_as", "narrow", "select", "unflatten", "detach", "as_strided"})
+                           "expand_as", "narrow", "select", "unflatten", "detach", "as_strided", "unbind"})
 
 
 def _writes_by_name(method: str) -> bool:
@@ -233,7 +233,8 @@ def _refuse_written_inputs(gm: torch.nn.Module, inputs: tuple, api: str, state: 
         for written in [w for w in written if isinstance(w, fx.Node)]:
             base = written
             while base.op != "placeholder" and base.args and isinstance(base.args[0], fx.Node) and (
-                    base.target is operator.getitem or (base.op == "call_method" and base.target in _VIEW_METHODS)):
+                    base.target in (operator.getitem, unpacked)
+                    or (base.op == "call_method" and base.target in _VIEW_METHODS)):
                 base = base.args[0]
             if base in tensor_inputs:
                 source, code = _user_frame(node.meta.get("stack_trace") or "")

@@ -832,13 +832,16 @@ class _WritesInput(nn.Module):
             x /= 255
         elif self.write == "view":
             x[:, 0].zero_()
+        elif self.write == "unpacked":  # through an item of the tensor unpacked (one unbind)
+            head, _, _, _ = x
+            head.add_(1)
         scale *= 2  # a number's augmented assignment writes nothing
         h = self.a(x)
         h.mul_(scale)  # nor does a write into an activation
         return self.b(torch.relu(h))
 
 
-@pytest.mark.parametrize("write", ["method", "augmented", "view"])
+@pytest.mark.parametrize("write", ["method", "augmented", "view", "unpacked"])
 def test_a_forward_writing_its_input_in_place_is_refused(write):
     """``x.mul_(2)`` on the input: eager writes the caller's tensor once a step; profiling ran the
     forward on the example input several times (it came back multiplied by 8), and the backward
