@@ -37,8 +37,8 @@ from .passes.profile import COST_MODELS, GraphCosts, PlainForward, forward_bytes
 from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call
-from .passes.trace import (CALL_OPS, HookWatch, ModeCall, SettingsWatch, has_hooks, is_torch_hook, module_of,
-                           output_rebuilder, trace, unpacked, varargs_reason, written_inputs)
+from .passes.trace import (CALL_OPS, DifferentiatesInForward, HookWatch, ModeCall, SettingsWatch, has_hooks,
+                           is_torch_hook, module_of, output_rebuilder, trace, unpacked, varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -211,40 +211,96 @@ def _writes_by_name(method: str) -> bool:
     return method.endswith("_") and not method.startswith("_") and method != "requires_grad_"
 
 
+def _written_bases(gm: fx.GraphModule):
+    """``(node, base)`` for every call of ``gm`` that writes in place a node ``base`` (a placeholder,
+    a ``get_attr`` or another value), directly or through views of it (getitem, the view methods,
+    ``.data``)."""
+    for node in gm.graph.nodes:
+        if node.op not in CALL_OPS:
+            continue
+        written = written_inputs(gm, node)
+        method = node.target if node.op == "call_method" else None
+        if node.op == "call_module" and isinstance(mode_call := gm.get_submodule(node.target), ModeCall):
+            method = mode_call.method  # x.mul_(2) under the forward's own no_grad()/autocast region
+        if not written and method is not None and _writes_by_name(method) and node.args:
+            written = [node.args[0]]  # x[:, 0].zero_(), x.fill_(0), x.copy_(y): by the method's name
+        for written in [w for w in written if isinstance(w, fx.Node)]:
+            base = written
+            while base.op not in ("placeholder", "get_attr") and base.args and isinstance(base.args[0], fx.Node) and (
+                    base.target in (operator.getitem, unpacked)
+                    or (base.op == "call_method" and base.target in _VIEW_METHODS)
+                    or (base.target is getattr and base.args[1:] == ("data",))):  # w.data.clamp_(-c, c)
+                base = base.args[0]
+            yield node, base
+
+
 def _refuse_written_inputs(gm: torch.nn.Module, inputs: tuple, api: str, state: set[int]) -> None:
     """Refuse a forward that writes a tensor input in place (``x.mul_(2)``, ``x /= 255``, or
     through a view of it). Eager runs the write once per step on the caller's tensor; here
     profiling runs the forward several times on it (the example input came back multiplied by 8)
     and a recomputed segment reads it after the write, which the backward then refuses with
     torch's bare "modified by an inplace operation" error. (``state``: ids of the model's parameters
-    and buffers, which a BatchNorm writes as it should, wherever a graph takes them as inputs.)"""
+    and buffers, which a BatchNorm writes as it should, wherever a graph takes them as inputs.)
+
+    Refuse as well a forward that writes one of the model's parameters in place
+    (``with torch.no_grad(): self.conv.weight.mul_(0.99)``, a clip or decay inside the model): eager
+    writes it once per call; planning ran the forward three times (the weight came back x0.9703),
+    and a recomputed segment holding the write would make it again in the backward. Buffers are
+    not refused: their writes are planned (put back after profiling and after each recomputation)."""
     if not isinstance(gm, fx.GraphModule):
         return
+    _refuse_renormed_embeddings(gm, api)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensor_inputs = {p for p, x in zip(placeholders, inputs) if isinstance(x, torch.Tensor) and id(x) not in state}
-    if not tensor_inputs:
-        return
+    params = {id(p) for p in gm.parameters()}
+    param_inputs = {p for p, x in zip(placeholders, inputs) if id(x) in params}
+    for node, base in _written_bases(gm):
+        source, code = _user_frame(node.meta.get("stack_trace") or "")
+        where = f" at {source}: {code}" if source else ""
+        op = getattr(node.target, "__name__", node.target)
+        if node.op == "call_module" and isinstance(mode_call := gm.get_submodule(node.target), ModeCall):
+            op = mode_call.method or getattr(mode_call.function, "__name__", op)
+        if base in tensor_inputs:
+            raise ValueError(
+                f"fxremat.{api}: the forward writes its input {base.target!r} in place ({op}"
+                f"{where}); fxremat runs the forward more than once on its inputs (profiling, recomputation), "
+                f"so the write would be repeated. Write to a new tensor instead ({base.target} = "
+                f"{base.target} * 2 rather than {base.target}.mul_(2) or *=), or make the write in the caller")
+        if base in param_inputs or (base.op == "get_attr" and id(_attr_or_none(gm, base.target)) in params):
+            raise ValueError(
+                f"fxremat.{api}: the forward writes the parameter {base.target!r} in place ({op}{where}); eager "
+                f"PyTorch writes it once per call, but fxremat runs the forward more than once while planning and "
+                f"again in the backward where it recomputes, so the write would be repeated (silently different "
+                f"weights). Make the write outside the forward, in the training loop (with torch.no_grad(): "
+                f"model.{base.target}.{op}(...) just before calling the model, or after optimizer.step()), or "
+                f"compute the changed weight as a new tensor in the forward instead of writing the parameter")
+
+
+def _refuse_renormed_embeddings(gm: fx.GraphModule, api: str) -> None:
+    """Refuse an ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` that the graph calls (as a
+    node or inside a leaf): its forward renormalizes the looked-up rows of its weight in place, a
+    parameter write that profiling made on the example input's rows (weights changed before the
+    first step) and a nested recomputation made again ("parameter 'emb.weight' was written in
+    place between the forward and the backward")."""
     for node in gm.graph.nodes:
-        if node.op not in CALL_OPS:
+        if node.op != "call_module":
             continue
-        written = written_inputs(gm, node)
-        if not written and node.op == "call_method" and _writes_by_name(node.target) and node.args:
-            written = [node.args[0]]  # x[:, 0].zero_(), x.fill_(0), x.copy_(y): by the method's name
-        for written in [w for w in written if isinstance(w, fx.Node)]:
-            base = written
-            while base.op != "placeholder" and base.args and isinstance(base.args[0], fx.Node) and (
-                    base.target in (operator.getitem, unpacked)
-                    or (base.op == "call_method" and base.target in _VIEW_METHODS)):
-                base = base.args[0]
-            if base in tensor_inputs:
-                source, code = _user_frame(node.meta.get("stack_trace") or "")
-                where = f" at {source}: {code}" if source else ""
-                op = getattr(node.target, "__name__", node.target)
+        for path, m in gm.get_submodule(node.target).named_modules(prefix=node.target):
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None:
                 raise ValueError(
-                    f"fxremat.{api}: the forward writes its input {base.target!r} in place ({op}"
-                    f"{where}); fxremat runs the forward more than once on its inputs (profiling, recomputation), "
-                    f"so the write would be repeated. Write to a new tensor instead ({base.target} = "
-                    f"{base.target} * 2 rather than {base.target}.mul_(2) or *=), or make the write in the caller")
+                    f"fxremat.{api}: {path!r} is an nn.{type(m).__name__} with max_norm={m.max_norm}: its forward "
+                    f"renormalizes the rows it looks up in place, in its weight (a parameter write), which fxremat "
+                    f"would repeat (profiling, recomputation). Set {path}.max_norm = None and renormalize in the "
+                    f"training loop before each step (with torch.no_grad(): torch.embedding_renorm_("
+                    f"model.{path}.weight, indices.flatten(), {m.max_norm}, {m.norm_type}): what its forward does)")
+
+
+def _attr_or_none(gm: torch.nn.Module, target: str):
+    """The attribute ``target`` (dotted) of ``gm``, or None where it is not there."""
+    try:
+        return operator.attrgetter(target)(gm)
+    except AttributeError:
+        return None
 
 
 def _as_tuple(example_inputs) -> tuple:
@@ -556,6 +612,22 @@ def _check_unwrapped(model: torch.nn.Module, api: str) -> None:
                    if wrap.startswith("Distributed") else "")
             )
     _check_scripted(model, api)
+    _check_materialized(model, api)
+
+
+def _check_materialized(model: torch.nn.Module, api: str) -> None:
+    """Refuse a model with lazy modules (``nn.LazyLinear``) not yet run: their parameters have no
+    shape until the first forward, and compiling failed inside fxremat on torch's "Attempted to use
+    an uninitialized parameter in <method 'numel' ...>"."""
+    for name, p in model.named_parameters():
+        if torch.nn.parameter.is_lazy(p):
+            owner = name.rpartition(".")[0]
+            cls = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+            raise ValueError(
+                f"fxremat.{api}: parameter {name!r} of {cls} is not initialized yet (a lazy module, whose "
+                f"parameters get their shape at its first forward); run one forward of the model on a batch "
+                f"(with torch.no_grad(): model(example)) before fxremat.{api}, as torch's lazy modules require "
+                f"before their parameters are used")
 
 
 def _check_scripted(model: torch.nn.Module, api: str) -> None:
@@ -677,7 +749,8 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
                 traced = trace(model, leaf_modules=leaf_modules, concrete_args=dict.fromkeys(none))
                 traced.meta[_NONE_ARGS] = none
         except TraceError as exc:
-            if exc.qualified_name or not can_capture:
+            # torch.export fails on a backward inside the forward too, less clearly
+            if exc.qualified_name or not can_capture or isinstance(exc.__cause__, DifferentiatesInForward):
                 _warn_again(said)
                 raise
             # what the failed trace said (submodules made leaves) is not true of the capture: logged only
@@ -1026,12 +1099,31 @@ def _signature(inputs: tuple) -> tuple:
 # Modes and hooks: plan what is trained, call hooks as eager PyTorch does
 # --------------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
 def _planning_modes():
     """Inference mode off while compiling or planning: the graph traced and profiled is the one
     that trains, also when the call sits in an eval script's ``torch.inference_mode()`` (the trace
     marked every node ``inference_mode`` and profiling crashed on the missing ``grad_fn``). Grad
-    mode is set where each stage needs it (``torch.enable_grad()`` does not leave inference mode)."""
-    return torch.inference_mode(False)
+    mode is set where each stage needs it (``torch.enable_grad()`` does not leave inference mode).
+    Saved-tensor hooks on (:func:`_saved_tensor_hooks_on`)."""
+    with torch.inference_mode(False), _saved_tensor_hooks_on():
+        yield
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_on():
+    """Saved-tensor hooks enabled for the block, inside a caller's
+    ``torch.autograd.graph.disable_saved_tensors_hooks(msg)``: profiling notes what each node
+    saves through them (compiling there raised the caller's ``msg``); disabled again after."""
+    disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    if disabled is None:
+        yield
+        return
+    torch._C._autograd._saved_tensors_hooks_enable()
+    try:
+        yield
+    finally:
+        torch._C._autograd._saved_tensors_hooks_disable(disabled)
 
 
 @contextlib.contextmanager
@@ -1145,9 +1237,22 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
 
 
 def _describe_inputs(signature: tuple) -> str:
-    shapes = ["x".join(map(str, e[0])) or "scalar" for e in signature
-              if isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], tuple)]
+    """The shapes of a signature's tensors, and the values of its Python numbers."""
+    shapes = ["x".join(map(str, e[0])) or "scalar" if len(e) == 4 else f"{e[0].__name__} {e[1]!r}"
+              for e in signature if isinstance(e, tuple) and (
+                  (len(e) == 4 and isinstance(e[0], tuple)) or (len(e) == 2 and e[0] in (int, float)))]
     return "[" + ", ".join(shapes) + "]"
+
+
+def _number_arguments_hint(signature: tuple) -> str:
+    """Where the signature holds Python numbers (a diffusion timestep passed as ``int``): each value
+    is a signature of its own, planned anew (a step with a new ``t`` planned again, 6x slower
+    steps on a toy), so say how to plan once."""
+    if not any(isinstance(e, tuple) and len(e) == 2 and e[0] in (int, float) for e in signature):
+        return ""
+    return (" Each value of a Python number argument (int, float) is a signature of its own (it may set a "
+            "shape): pass one that changes at every step (a timestep, a scale) as a tensor, torch.tensor(t), "
+            "to plan once.")
 
 
 class _State:
@@ -1186,6 +1291,7 @@ class _State:
         self.fitting = False  # inside RematModule.fit_compiled_peak
         self.warned_unfitted = False
         self.warned_hooks = False
+        self.warned_saved_hooks = False  # user saved-tensor hooks around a step that recomputes
         self.compiled_checked: set = set()  # ids of plans checked for a torch.compile by hand
         self.last = None
         self.traced_bindings = attribute_bindings(traced, model) if traced is not None else ()
@@ -1258,7 +1364,7 @@ class _State:
                 f"signatures than the cache keeps ({self.config.max_plans} plans, max_plans="
                 f"{self.config.max_plans}, each for up to {_SIGNATURES_PER_PLAN} input shapes), so steps "
                 "keep planning. Raise max_plans= in fxremat.compile, or pad or bucket the inputs to fewer "
-                "shapes. (Shown once.)", stacklevel=4)
+                f"shapes.{_number_arguments_hint(key)} (Shown once.)", stacklevel=4)
         self.planned.add(hash(key))
         layout = _layout(key)
         _check_inputs(self.traced, inputs)
@@ -1426,6 +1532,64 @@ def _run_emitted(gm: fx.GraphModule, inputs):
     if torch.compiler.is_compiling():
         return _keeping(gm, inputs)
     return gm(*inputs)
+
+
+# Modules whose saved-tensor hooks keep values exact around a recomputed segment: a checkpoint of
+# the user's around the compiled module (checkpoints nest), fxremat's own.
+_EXACT_SAVED_HOOKS = ("torch.utils.checkpoint.", "fxremat.")
+
+
+def _check_saved_tensor_hooks(state: "_State", the_plan: Plan) -> None:
+    """Before a training step: refuse one run under
+    ``torch.autograd.graph.disable_saved_tensors_hooks(msg)`` where the plan recomputes (the
+    checkpoint of a recomputed segment pushes saved-tensor hooks, and the step raised the user's own
+    ``msg`` from inside torch.utils.checkpoint); warn once where saved-tensor hooks of the user's
+    are active (``saved_tensors_hooks(pack, unpack)``, ``save_on_cpu``): what a recomputed segment
+    saves goes through the checkpoint's hooks, not theirs, so a lossy hook (activations packed to
+    bf16) is applied to fewer tensors than in eager and every gradient differs, and an offloading
+    one leaves those tensors on the device (as with torch.utils.checkpoint). Two calls into
+    autograd's state a step; the plan is looked at only where either is set. (Not under Dynamo,
+    which traces this step where the model itself has hooks: it would break the graph here.)"""
+    if torch.compiler.is_compiling():
+        return
+    disabled = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    top = None if disabled is not None or state.warned_saved_hooks else (
+        torch._C._autograd._top_saved_tensors_default_hooks(False))
+    if disabled is None and top is None:
+        return
+    if not any(s.recomputed for s in the_plan.segments):
+        return  # nothing checkpointed: the step saves tensors as eager does
+    name = type(state.model).__name__
+    if disabled is not None:
+        raise RuntimeError(
+            f"fxremat.RematModule: {name} is called for a training step inside "
+            f"torch.autograd.graph.disable_saved_tensors_hooks({disabled!r}), but its plan recomputes "
+            f"{sum(s.recomputed for s in the_plan.segments)} segment(s), and recomputation "
+            f"(torch.utils.checkpoint) works through saved-tensor hooks. Call the compiled module outside that "
+            f"region, or, inside it, call the uncompiled model (eager, without recomputation), or compile with a "
+            f"budget of 1.0 (nothing recomputed)")
+    module = getattr(top[0], "__module__", None) or ""
+    if f"{module}.".startswith(_EXACT_SAVED_HOOKS):
+        return
+    state.warned_saved_hooks = True
+    warnings.warn(
+        f"fxremat.RematModule: {name} is trained under saved-tensor hooks of your own "
+        f"({getattr(top[0], '__name__', type(top[0]).__name__)} from torch.autograd.graph.saved_tensors_hooks or "
+        f"save_on_cpu); the tensors its recomputed segments save for the backward go through the recomputation's "
+        f"hooks, not yours (as with torch.utils.checkpoint): a hook that changes values (compressing activations "
+        f"to bf16) makes the gradients differ from eager, one that moves them (offloading to the CPU) leaves "
+        f"those on the device. Compile with a budget of 1.0 (nothing recomputed) to have every saved tensor "
+        f"go through your hooks.", UserWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` at which a warning its caller issues names the user's line: the first
+    frame outside fxremat and torch (a step reaches fxremat through several frames of each)."""
+    frame, level = sys._getframe(1).f_back, 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+            (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _warn_hooks_recomputed(state: "_State", the_plan: Plan) -> None:
@@ -1608,7 +1772,7 @@ class RematModule(torch.nn.Module):
         if entry is None:
             start = time.perf_counter()
             rebind(state.traced_bindings)
-            with _training_mode(state.model):  # compile(example_inputs=) on a model in eval()
+            with _training_mode(state.model), _saved_tensor_hooks_on():  # compile(example_inputs=) in eval()
                 entry = state.plan_for(key, inputs)
             log.info("fxremat: planned %s for a new input signature in %.2fs: %s%s",
                      type(state.model).__name__, time.perf_counter() - start, entry[0].strategy,
@@ -1714,10 +1878,12 @@ class RematModule(torch.nn.Module):
 
     def _compiled_forward(self, *args, **kwargs):
         if self._remat.traced is None:  # captured per call (torch.export)
-            _, gm, _, captured = self._prepare_call(args, kwargs, torch.compiler.is_compiling())
+            the_plan, gm, _, captured = self._prepare_call(args, kwargs, torch.compiler.is_compiling())
+            _check_saved_tensor_hooks(self._remat, the_plan)
             return captured.output(_run_emitted(gm, captured.inputs(args, kwargs)))
         inputs = self._bind(args, kwargs)
-        gm = self._prepare(inputs, torch.compiler.is_compiling())[1]
+        the_plan, gm = self._prepare(inputs, torch.compiler.is_compiling())[:2]
+        _check_saved_tensor_hooks(self._remat, the_plan)
         out = _run_emitted(gm, inputs)
         return out if self._remat.rebuild is None else self._remat.rebuild(out)
 
@@ -1731,7 +1897,7 @@ class RematModule(torch.nn.Module):
         entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()
-            with _training_mode(state.model):
+            with _training_mode(state.model), _saved_tensor_hooks_on():
                 with _stage("capturing", f"{type(state.model).__name__} with torch.export"):
                     captured = capture_call(state.model, args, kwargs, leaf_modules=state.config.leaf_modules)
                 state.settings.refresh()  # the capture ran the forward's Python

@@ -120,10 +120,12 @@ class _Recomputation:
                     slots[name] = param
             elif param._version != version:
                 raise RuntimeError(
-                    f"fxremat.recompute: parameter {path!r} was written in place between the forward and the "
-                    f"backward (version {version} -> {param._version}), and the backward recomputes from it; "
-                    f"eager PyTorch refuses this too (\"modified by an inplace operation\"). Call backward "
-                    f"before changing parameters (an optimizer step after the backward, not between)")
+                    f"fxremat.recompute: parameter {path!r} was written in place after the forward read it (version "
+                    f"{version} -> {param._version}), and the backward recomputes from it. Written between the "
+                    f"forward and the backward (an optimizer step), eager PyTorch refuses this too (\"modified by an "
+                    f"inplace operation\"): call backward before changing parameters. Written by the model's own "
+                    f"code in forward (a leaf module that decays or clips its weight), which fxremat runs again when "
+                    f"it recomputes: make that write in the training loop instead")
         with torch.no_grad():
             self.held.append(([b.clone() for b in self.buffers], swapped,
                               [(g, g.get_state()) for g, _ in self.snapshot.generators]))

@@ -555,7 +555,8 @@ def test_a_recomputation_reads_the_parameters_its_forward_read():
     out = remat(X)
     with torch.no_grad():
         remat.stem.weight.mul_(0.5)
-    with pytest.raises(RuntimeError, match="'stem.weight' was written in place between the forward and the backward"):
+    with pytest.raises(RuntimeError, match=r"'stem.weight' was written in place after the forward read it .* Written "
+                                           r"between the forward and the backward \(an optimizer step\), eager PyTorch"):
         out.square().mean().backward()
 
 
@@ -900,3 +901,220 @@ def test_a_mask_drawn_from_a_modules_own_generator_is_drawn_once(example):
     _assert_trains_like(with_grads(plain), with_grads(remat), X, steps=3)
     assert remat.plan.recomputed_nodes
     assert torch.equal(plain.gen.get_state(), remat.gen.get_state())
+
+
+# --------------------------------------------------------------------------------------------
+# audit round 4: parameters written in forward, a backward inside forward, saved-tensor hooks
+# --------------------------------------------------------------------------------------------
+
+class _WritesParameter(Net):
+    def __init__(self, write):
+        super().__init__()
+        self.write = write
+
+    def forward(self, x):
+        if self.write == "no_grad":
+            with torch.no_grad():
+                self.stem.weight.mul_(0.99)
+        elif self.write == "data":
+            self.stem.weight.data.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("write", ["no_grad", "data"])
+def test_a_forward_writing_a_parameter_in_place_is_refused(write):
+    """``with torch.no_grad(): self.stem.weight.mul_(0.99)`` in forward (a decay, a clip): eager
+    writes it once a call; compiling ran the forward three times (the weight came back x0.9703) and
+    a recomputed segment holding the write would make it again in the backward."""
+    torch.manual_seed(0)
+    model = _WritesParameter(write)
+    weight = model.stem.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"fxremat.compile: the forward writes the parameter 'stem.weight' in place "
+                                         r"\((mul_|clamp_) at .*test_surprises.py:\d+: self.stem.weight"):
+        fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops")
+    assert torch.equal(model.stem.weight, weight)
+
+
+class _Forces(nn.Module):
+    """An ML potential's forces, -dE/dx, computed in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1)
+
+    def forward(self, h):
+        with torch.enable_grad():
+            energy = self.b(torch.tanh(self.a(h))).sum()
+            forces, = torch.autograd.grad(energy, h, create_graph=True)
+        return -forces
+
+
+def test_a_backward_inside_forward_runs_whole_in_a_submodule_and_is_refused_at_the_top():
+    """``torch.autograd.grad`` in forward: torch.fx recorded it as one node, and compiling failed
+    in profiling ("The differentiated Tensor ... not used in the graph") or, through torch.export,
+    with "fake tensor in the exported program constant's list ... file an issue"."""
+    class Potential(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)))
+            self.forces = _Forces()
+
+        def forward(self, x):
+            return self.forces(self.enc(x))
+
+    x = torch.randn(32, 8)
+    with pytest.raises(fxremat.TraceError, match=r"top-level module \(_Forces\) at .*test_surprises.py:\d+ "
+                                                 r"\(forward: forces, = torch.autograd.grad.*calls torch.autograd.grad"):
+        fxremat.compile(_Forces(), "min", example_inputs=(x.requires_grad_(),), cost_model="flops")
+    torch.manual_seed(0)
+    plain, model = pair(Potential())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a leaf without a warning: that is how it runs
+        remat = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert remat.plan.recomputed_nodes and "forces" not in remat.plan.recomputed_nodes
+    _assert_trains_like(with_grads(plain), with_grads(remat), x)
+
+
+def _deep(n=6):
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(n)))
+
+
+def test_a_step_with_saved_tensor_hooks_disabled_names_the_recomputation():
+    """Under ``disable_saved_tensors_hooks(msg)`` eager trains; a recomputed segment's checkpoint
+    raised the user's own ``msg``. Refused, naming fxremat and what to do; a plan that recomputes
+    nothing trains there as eager."""
+    x = torch.randn(16, 32)
+    remat = fxremat.compile(_deep(), "min", example_inputs=(x,), cost_model="flops")
+    assert remat.plan.recomputed_nodes
+    with torch.autograd.graph.disable_saved_tensors_hooks("hooks are off here"):
+        with pytest.raises(RuntimeError, match=r"fxremat.RematModule: Sequential is called for a training step inside "
+                                               r"torch.autograd.graph.disable_saved_tensors_hooks\('hooks are off here'\)"
+                                               r", but its plan recomputes \d segment.*uncompiled model"):
+            remat(x)
+        plain, model = pair(_deep())
+        remat = fxremat.compile(model, 1.0, example_inputs=(x,), cost_model="flops")
+        assert not remat.plan.recomputed_nodes
+        _assert_trains_like(plain, remat, x, steps=1)
+
+
+def test_saved_tensor_hooks_of_the_users_around_a_recomputing_step_are_warned_about_once():
+    """Lossy ``saved_tensors_hooks`` (activations packed to bf16) do not see what recomputed segments
+    save (as with torch.utils.checkpoint): every gradient differed from eager's, silently."""
+    x = torch.randn(16, 32)
+    remat = fxremat.compile(_deep(), "min", example_inputs=(x,), cost_model="flops")
+    pack = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    unpack = lambda t: t.float()  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with pytest.warns(UserWarning, match=r"Sequential is trained under saved-tensor hooks of your own \(<lambda>.*"
+                                             r"makes the gradients differ from eager") as said:
+            remat(x).sum().backward()
+        assert said[0].filename == __file__
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            remat(x).sum().backward()  # once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checkpoint of the user's around the step nests exactly
+        remat = fxremat.compile(_deep(), "min", example_inputs=(x,), cost_model="flops")
+        torch.utils.checkpoint.checkpoint(remat, x, use_reentrant=False).sum().backward()
+
+
+def _halved(grad):
+    return grad * 0.5
+
+
+def test_a_tensor_hook_registered_in_a_captured_forward_is_refused():
+    """``h.register_hook(fn)`` in forward (Grad-CAM's gradient store, a gradient scaling): torch.fx
+    cannot take the function, and torch.export, which then captured the forward, records no hook:
+    the hook never fired (the gradients silently differed from eager's). A submodule doing it runs
+    whole and its hook fires."""
+    class Hooked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            h.register_hook(_halved)
+            return self.b(torch.tanh(h))
+
+    x = torch.randn(4, 8)
+    with pytest.raises(fxremat.TraceError, match=r"top-level module \(Hooked\) at .*test_surprises.py:\d+ \(forward: "
+                                                 r"h.register_hook\(_halved\)\).*registers a hook on a tensor \(_halved\), "
+                                                 r"which torch.export does not record.*into a submodule"):
+        fxremat.compile(Hooked(), "min", example_inputs=(x,), cost_model="flops")
+
+
+def test_an_embedding_with_max_norm_is_refused():
+    """``nn.Embedding(max_norm=)`` renormalizes its looked-up rows in place in forward: profiling
+    renormalized the example input's rows before the first step, and a nested recomputation
+    raised that the weight was "written in place between the forward and the backward"."""
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(20, 8, max_norm=1.0)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+        def forward(self, idx):
+            return self.body(self.emb(idx))
+
+    torch.manual_seed(0)
+    model = Bag()
+    weight = model.emb.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"fxremat.compile: 'emb' is an nn.Embedding with max_norm=1.0: .*Set "
+                                         r"emb.max_norm = None and renormalize in the training loop"):
+        fxremat.compile(model, "min", example_inputs=(torch.randint(0, 20, (4, 6)),), cost_model="flops")
+    assert torch.equal(model.emb.weight, weight)
+
+
+def test_a_distribution_checking_its_arguments_in_a_captured_forward_names_validate_args():
+    """A VAE's ``Normal(mu, std).rsample()`` in forward: the argument check reads tensor values,
+    which neither torch.fx nor torch.export can; the error named only a "data-dependent expression"."""
+    class Reparam(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu, self.log_std = nn.Linear(8, 4), nn.Linear(8, 4)
+
+        def forward(self, x):
+            # (validate_args given: the default is a global, which torch.compile turns off for good)
+            return torch.distributions.Normal(self.mu(x), self.log_std(x).exp(), validate_args=True).rsample()
+
+    with pytest.raises(fxremat.TraceError, match=r"torch.distributions object, whose argument check \(validate_args\) "
+                                                 r"reads tensor values; pass validate_args=False"):
+        fxremat.compile(Reparam(), "min", example_inputs=(torch.randn(4, 8),), cost_model="flops")
+
+
+def test_planning_again_for_a_python_number_argument_says_to_pass_a_tensor():
+    """A diffusion timestep passed as a Python ``int``: each value is a signature, planned anew;
+    the warning said only "pad or bucket the inputs to fewer shapes", whose shapes never changed."""
+    class Timed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+        def forward(self, x, t: int):
+            return self.body(x * (t / 10))
+
+    x = torch.randn(4, 8)
+    remat = fxremat.compile(Timed(), "min", example_inputs=(x, 1), cost_model="flops", max_plans=1)
+    remat(x, 2)
+    with pytest.warns(UserWarning, match=r"planning again for inputs \[4x8, int 1\] .* Each value of a Python number "
+                                         r"argument .* as a tensor, torch.tensor\(t\)"):
+        remat(x, 1)
+
+
+def test_a_lazy_module_not_run_yet_is_refused_naming_the_fix():
+    """``nn.LazyLinear`` compiled before its first forward: compiling failed inside fxremat on
+    torch's "Attempted to use an uninitialized parameter in <method 'numel' ...>"; after one
+    forward it trains as eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"fxremat.compile: parameter '0.weight' of LazyLinear is not initialized "
+                                         r"yet .* run one forward of the model on a batch"):
+        fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    with torch.no_grad():
+        model(x)
+    plain, model = pair(model)
+    remat = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    _assert_trains_like(plain, remat, x)

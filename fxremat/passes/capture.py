@@ -60,6 +60,8 @@ import enum
 import inspect
 import logging
 import operator
+import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -465,6 +467,56 @@ def _cause_of_type(exc: BaseException | None, cls: type):
     return None
 
 
+class _TensorHookNotCaptured(RuntimeError):
+    """The captured code registered a hook on a tensor (``h.register_hook(fn)``: Grad-CAM's
+    gradient store, a gradient scaling): torch.export records no hook, so the captured graph would
+    never call it (the gradients silently differed from eager's, or the hook's store stayed empty)."""
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+@contextlib.contextmanager
+def _tensor_hooks_refused():
+    """``Tensor.register_hook`` called by the model's code (not torch's) raises
+    :class:`_TensorHookNotCaptured` while the block runs: the submodule that does it is kept whole
+    (it runs as written, and its hook fires), the top-level forward is refused."""
+    original = torch.Tensor.register_hook
+
+    def register_hook(self, hook):
+        if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+            return original(self, hook)
+        raise _TensorHookNotCaptured(
+            f"the forward registers a hook on a tensor ({getattr(hook, '__name__', type(hook).__name__)}), which "
+            f"torch.export does not record: the captured graph would never call it")
+
+    torch.Tensor.register_hook = register_hook
+    try:
+        yield
+    finally:
+        torch.Tensor.register_hook = original
+
+
+_DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
+
+
+def _in_distributions(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) went through torch.distributions' code:
+    a ``Normal(mu, std)`` in forward checks its arguments' values (``validate_args``, on by default),
+    which torch.fx and torch.export cannot (a VAE's reparameterization failed to capture with
+    "Could not guard on data-dependent expression")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_DISTRIBUTIONS_DIR):
+                return True
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict) -> tuple:
     """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
@@ -473,7 +525,8 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict) -> 
     plain = _plain_calls(model, opaque, args, kwargs) if opaque else {}
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
-              python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain))):
+              python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
+              _tensor_hooks_refused()):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     finally:
         calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)
@@ -540,8 +593,16 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
             failing = _failing_submodule(model, exc)
             where = user_line(exc)
             if not failing or failing in opaque:
-                raise TraceError(failing, exc, module_class=type(model.get_submodule(failing)).__name__,
-                                 where=where, hint=_refused_hint(model, failing)) from exc
+                hook = _cause_of_type(exc, _TensorHookNotCaptured)
+                hint = _refused_hint(model, failing) if hook is None or failing else (
+                    "move the code that registers the hook into a submodule (kept whole, it runs as written and its "
+                    "hook fires as in eager), or register the hook in the training loop on a tensor the model returns")
+                if hook is None and _in_distributions(exc):
+                    hint = ("the line builds a torch.distributions object, whose argument check (validate_args) reads "
+                            "tensor values; pass validate_args=False to it (or call torch.distributions.Distribution."
+                            "set_default_validate_args(False) once), as eager does without the check; or " + hint)
+                raise TraceError(failing, hook or exc, module_class=type(model.get_submodule(failing)).__name__,
+                                 where=where, hint=hint) from exc
             cls = type(model.get_submodule(failing))
             same = {p: m for p, m in model.named_modules() if type(m) is cls and p
                     and not any(p.startswith(o + ".") for o in opaque)}

@@ -279,6 +279,12 @@ class _LeafTracer(fx.Tracer):
             self._arg_depth -= 1
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if (kind, target) in _DIFFERENTIATING:
+            what = "torch.autograd.grad" if target is torch.autograd.grad else (
+                "torch.autograd.backward" if target is torch.autograd.backward else ".backward()")
+            raise DifferentiatesInForward(
+                f"the forward calls {what}, a backward pass inside the forward, which torch.fx records as one "
+                f"graph node that fxremat cannot profile, split or recompute by parts")
         if kind == "output":
             self.output_type = self._outer_arg_type
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -798,6 +804,21 @@ class _StateWrittenWhileTracing(Exception):
         self.owner = owner
 
 
+class DifferentiatesInForward(Exception):
+    """The traced code calls ``torch.autograd.grad`` (or ``.backward()``): forces as ``-dE/dx`` in an
+    ML potential, an input-gradient penalty computed inside the model. torch.fx records the call as
+    one graph node, which fxremat can neither profile (its backward runs on tensors the graph does
+    not hold: "The differentiated Tensor ... appears to not have been used in the graph") nor split
+    into segments; torch.export, tried next at the top level, fails on it as well ("fake tensor in
+    the exported program constant's list"). A submodule that does it becomes a leaf (it runs as
+    written, kept or recomputed whole, as ``torch.utils.checkpoint`` supports); the top-level
+    forward is refused, naming the line."""
+
+
+_DIFFERENTIATING = {(  # (op, target) of the calls that run a backward inside the forward
+    "call_function", torch.autograd.grad), ("call_function", torch.autograd.backward), ("call_method", "backward")}
+
+
 _FUNCTION_META = "fxremat_autograd_function"  # the torch.autograd.Function a call node applies
 
 
@@ -1082,6 +1103,9 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
             failing = tracer.stack[-1] if tracer.stack else ""
             if not failing or failing in names:
                 raise _trace_error(model, failing, exc) from exc
+            if isinstance(exc, DifferentiatesInForward):  # no warning: the leaf is the way it runs
+                names = names | {failing}
+                continue
             untraceable.append((failing, _untraceable_message(model, failing, exc)))
             names = names | {failing}
             continue
@@ -1148,6 +1172,11 @@ def _trace_error(model: torch.nn.Module, failing: str, exc: Exception) -> TraceE
     module's class, the line of its code that failed, and a hint that fits the cause."""
     module = model.get_submodule(failing) if failing else model
     hint = None
+    if isinstance(exc, DifferentiatesInForward):
+        hint = ("move the code that differentiates into a submodule (it then runs as written, kept or recomputed "
+                "whole; pass it in leaf_modules= to say so), or compile the model without it (the energy model, "
+                "fxremat.compile(energy, ...)) and call torch.autograd.grad(..., create_graph=True) on the compiled "
+                "model's output in a plain wrapper")
     varargs = varargs_reason(module)
     if varargs is not None:
         hint = (f"{varargs}; torch.fx gives *args one placeholder that the code cannot unpack. "
