@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from ..errors import TraceError
 from .profile import PlainForward, forward_bytes, preserved_state
@@ -207,9 +207,16 @@ def _functions_kept_whole(model: torch.nn.Module, gm: fx.GraphModule, calls: dic
     (a :class:`~fxremat.passes.trace.ModeCall` after :func:`restore_modes`); in place."""
     graph = gm.graph
     ops = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.fxremat.function_apply.default]
+    paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     for node in ops:
         entry = calls[node.args[0]]
         args, kwargs = entry.arguments(node.args[1])
+        with graph.inserting_before(node):
+            # a module among its arguments (Reformer hands its ModuleList of layers to its reversible
+            # Function): read from gm by its path, as torch.fx does; as a constant, its repr was
+            # pasted into the code (SyntaxError)
+            args, kwargs = tree_map_only(torch.nn.Module, lambda m: _module_argument(model, gm, paths, m, entry.cls),
+                                         (args, kwargs))
         single = entry.out_spec.is_leaf()
         if not single and not (entry.out_spec.type in (tuple, list) and entry.out_spec.num_children == len(entry.out_leaves)
                                and all(isinstance(x, torch.Tensor) for x in entry.out_leaves)):
@@ -229,6 +236,22 @@ def _functions_kept_whole(model: torch.nn.Module, gm: fx.GraphModule, calls: dic
         graph.erase_node(node)
     if ops:
         restore_modes(gm)
+
+
+def _module_argument(model: torch.nn.Module, gm: fx.GraphModule, paths: dict, module: torch.nn.Module,
+                     cls: type) -> fx.Node:
+    """A ``get_attr`` node (at the graph's insertion point) reading ``module``, a submodule of ``model``
+    passed to the custom Function ``cls``, installed in ``gm`` under its qualified name."""
+    path = paths.get(id(module))
+    if not path:
+        raise TraceError("", RuntimeError(
+            f"the custom torch.autograd.Function {cls.__module__}.{cls.__qualname__} is passed a "
+            f"{type(module).__name__} that is not a submodule of {type(model).__name__}"),
+            module_class=type(model).__name__, hint=(
+                "register that module as a submodule of the model (an attribute set in __init__), or pass "
+                "leaf_modules= naming the submodule that calls the Function, so it runs whole"))
+    gm.add_submodule(path, module)  # as a module kept whole: the model's own, its parameters under their names
+    return gm.graph.get_attr(path)
 
 
 @dataclass(frozen=True)

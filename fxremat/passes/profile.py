@@ -268,6 +268,29 @@ def _autocast_cache_off():
         torch.set_autocast_cache_enabled(on)
 
 
+_PERMUTING_METHODS = frozenset({"transpose", "permute", "t", "swapaxes", "swapdims", "movedim"})
+_PERMUTING_FUNCTIONS = frozenset({torch.transpose, torch.permute, torch.t, torch.swapaxes, torch.swapdims,
+                                  torch.movedim, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+                                  torch.ops.aten.t.default})
+
+
+def _permuted_reader(n: fx.Node):
+    """Where ``n``'s only reader is a transpose or permutation of it (with constant arguments), a
+    function taking ``n``'s output to that view; else ``None``. The step's gradient reaches ``n``
+    through the view's backward, in the view's layout."""
+    if len(n.users) != 1:
+        return None
+    u = next(iter(n.users))
+    rest = (u.args[1:], u.kwargs)
+    if u.args[:1] != (n,) or any(isinstance(a, fx.Node) for a in tree_flatten(rest)[0]):
+        return None
+    if u.op == "call_method" and u.target in _PERMUTING_METHODS:
+        return lambda t: getattr(t, u.target)(*rest[0], **rest[1])
+    if u.op == "call_function" and u.target in _PERMUTING_FUNCTIONS:
+        return lambda t: u.target(t, *rest[0], **rest[1])
+    return None
+
+
 class _Seed(torch.autograd.Function):
     """A root for one node's backward alone: its backward hands each of the node's outputs a new
     gradient of ones that nothing but autograd holds (allocated under the tracker), as the
@@ -610,6 +633,12 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 out = getattr(self, n.op)(n.target, args, kwargs)
         del args, kwargs  # the copies of the inputs are autograd's alone now
         outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+        permuted = _permuted_reader(n)
+        if permuted is not None and len(outs) == 1 and outs[0] is out:
+            # read only through a transpose: its gradient arrives transposed, not contiguous, and a
+            # backward that needs it contiguous (a linear layer's matrix product) copies it first
+            # (an MLP-Mixer's token mixing at "min": 1.10x the budget where a contiguous seed hid it)
+            outs = [permuted(out)]
         wrt = leaves + list(stand_ins.values())
         if not outs or not wrt:
             return 0, 0, 0, 0, ()
@@ -1117,8 +1146,17 @@ def preserved_state(module: torch.nn.Module):
     planning inside the caller's autocast region (the first step of a new input signature) left
     the profile's bf16 cast of a parameter in the cache, and the step then read that cast, whose
     autograd node was older than its own: Hugging Face BART's tied ``shared.weight`` (three
-    readers) summed its gradient's terms in another order (7.5e-9 off eager on the first step)."""
+    readers) summed its gradient's terms in another order (7.5e-9 off eager on the first step).
+
+    The parameters' ``.grad`` are set aside meanwhile and put back: a custom
+    ``torch.autograd.Function`` handed a module (Reformer's reversible layers get their ModuleList)
+    runs that module's backward itself, into its real parameters, whatever stand-ins the profile
+    gives the node; the user's step then added the profile's gradients to its own (set aside, not
+    copied: a copy of every gradient would double their memory while planning)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    for p, _ in grads:
+        p.grad = None
     generators = [(g, g.get_state()) for g in module_generators(module)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -1134,6 +1172,8 @@ def preserved_state(module: torch.nn.Module):
         for g, state in generators:
             g.set_state(state)
         torch.clear_autocast_cache()
+        for p, grad in grads:
+            p.grad = grad
 
 
 @dataclass(frozen=True)
