@@ -414,32 +414,77 @@ def _early_stop(config: _Config, gm: fx.GraphModule, inputs: tuple) -> bool:
 
 
 def _plan_graph(gm: fx.GraphModule, inputs: tuple, config: _Config, origin: str,
-                plain: PlainForward | None = None) -> tuple[Plan, GraphCosts | None]:
+                plain: PlainForward | None = None, *, later: "_Later | None" = None) -> tuple[Plan, GraphCosts | None]:
     """The pipeline after tracing, for :func:`compile`, :func:`plan` and the CLI: a saved plan
     (``config.plan``) checked and re-derived, or profile → lower → choose → :class:`Plan`.
     ``plain``: the model's own forward, measured (the baseline is the model's, see
-    :func:`_plain_peak`). Returns the plan and the profile its times came from (``None`` for a
-    saved plan)."""
+    :func:`_plain_peak`); ``later``: a signature planned at a training step (:func:`_choose`).
+    Returns the plan and the profile its times came from (``None`` for a saved plan)."""
     if config.plan is not None:
         return _saved_plan(gm, inputs, config, origin, plain), None
     graph, costs = _lowered(gm, inputs, config)
-    return _chosen(gm, inputs, graph, costs, config, _plain_peak(graph, plain)), costs
+    return _chosen(gm, inputs, graph, costs, config, _plain_peak(graph, plain), later=later), costs
+
+
+@dataclass
+class _Later:
+    """An input signature planned at a training step after the module planned one (the budget was
+    checked then): ``inputs`` describes it; ``state`` is the module's, warned once."""
+
+    inputs: str
+    state: "_State"
+
+
+def _choose(graph: CostGraph, config: _Config, gm: fx.GraphModule, inputs: tuple,
+            plain_peak_bytes: int | None, later: _Later | None = None, costs: GraphCosts | None = None) -> Choice:
+    """:func:`~fxremat.planner.choose` under ``config``. A fraction budget is a fraction of each
+    input signature's own plain peak; where a signature first seen at a training step
+    (``later``) cannot reach it (under autocast the bf16 copies of the weights are a larger part of
+    the peak: timm's ConvNeXt-V2 atto, compiled at 0.5 in fp32, has a least of 0.56 of its plain
+    peak under bf16 autocast, and its first autocast step raised), it is planned at its least, with
+    a warning, rather than the step failing. A byte budget there is
+    still refused, with what to pass to :func:`compile`. Where one leaf node of ``costs`` holds
+    most of the least feasible peak, the error names it too (:func:`_leaf_hint`)."""
+    kwargs = dict(strategy=config.strategy, exact_cap=config.exact_cap, rotor_slots=config.rotor_slots,
+                  plain_peak_bytes=plain_peak_bytes, nested=config.nested, early_stop=_early_stop(config, gm, inputs))
+    fraction = later is not None and config.budget.fraction is not None
+    try:
+        choice = choose(graph, config.budget, least_if_below=fraction, **kwargs)
+    except InfeasibleBudgetError as exc:
+        leaf = None if costs is None else _leaf_hint(gm, costs, exc.min_feasible_bytes, config.leaf_modules)
+        if later is None and leaf is None:
+            raise
+        hint = exc.ADVICE if later is None else (
+            f"this is input signature {later.inputs}, planned at a training step (the budget was checked "
+            f"at compile on other inputs or another autocast state): pass fxremat.compile a budget of at "
+            f"least {exc.min_feasible_bytes} bytes, budget='min', or a fraction (0.5), which a signature "
+            f"that cannot reach it is planned at its least for")
+        raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes,
+                                    hint + (f". {leaf}" if leaf else "")) from None
+    if not fraction or choice.objective != "memory-centric":
+        return choice
+    target = config.budget.resolve(choice.baseline_peak_bytes)
+    share = choice.peak_bytes / choice.baseline_peak_bytes
+    note = (f"budget {config.budget} ({format_bytes(target)}) is below this signature's least feasible peak "
+            f"{format_bytes(choice.peak_bytes)}; planned at that least")
+    if not later.state.warned_fraction:
+        later.state.warned_fraction = True
+        warnings.warn(
+            f"fxremat.RematModule: budget {config.budget} is {format_bytes(target)} for input signature "
+            f"{later.inputs} (a fraction of its own plain peak, {format_bytes(choice.baseline_peak_bytes)}), below "
+            f"its least feasible peak {format_bytes(choice.peak_bytes)} ({share:.2f} of its plain peak); it is "
+            f"planned at that least. Pass fxremat.compile budget='min', or a fraction of at least {share:.2f}, to "
+            "plan every signature so. (Shown once.)", stacklevel=5)
+    return replace(choice, notes=choice.notes + (note,))
 
 
 def _chosen(gm: fx.GraphModule, inputs: tuple, graph: CostGraph, costs: GraphCosts, config: _Config,
-            plain_peak_bytes: int | None = None) -> Plan:
+            plain_peak_bytes: int | None = None, *, later: _Later | None = None) -> Plan:
     """Solve a lowered graph under ``config`` (autotuning where it asks) and make the Plan;
-    ``plain_peak_bytes``: the baseline, where it is not the graph's simulated plain peak."""
+    ``plain_peak_bytes``: the baseline, where it is not the graph's simulated plain peak;
+    ``later``: see :func:`_choose`."""
     with _stage("solving", f"strategy {config.strategy}, budget {config.budget}"):
-        try:
-            choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                            rotor_slots=config.rotor_slots, plain_peak_bytes=plain_peak_bytes,
-                            nested=config.nested, early_stop=_early_stop(config, gm, inputs))
-        except InfeasibleBudgetError as exc:
-            hint = _leaf_hint(gm, costs, exc.min_feasible_bytes, config.leaf_modules)
-            if hint is None:
-                raise
-            raise InfeasibleBudgetError(exc.budget_bytes, exc.min_feasible_bytes, hint) from None
+        choice = _choose(graph, config, gm, inputs, plain_peak_bytes, later, costs)
     nodes, key = node_infos(gm, costs), graph_key(gm, inputs)
     if config.autotune and len(choice.alternatives) > 1:
         return _autotuned(gm, inputs, graph, choice, costs, config.autotune, nodes, key, config.backend)
@@ -1208,10 +1253,11 @@ _REUSED = ("segmentation reused from a plan of this graph for other input sizes;
 
 
 def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: GraphCosts, kept,
-                  plain: PlainForward) -> Plan:
+                  plain: PlainForward, *, later: _Later | None = None) -> Plan:
     """The plan for new sizes of a planned layout: the fastest of the ``kept`` segmentations
     (plan segments) whose simulated peak fits the budget at these sizes; if none fits, or for
-    ``budget="min"``, the solvers run again on these bytes (no timing, no measured profiling)."""
+    ``budget="min"``, the solvers run again on these bytes (no timing, no measured profiling;
+    ``later``: see :func:`_choose`)."""
     costs = _sized_costs(timed, profile(gm, inputs, cost_model="uniform", repeats=1))
     graph = build_graph(gm, costs)
     baseline = _plain_peak(graph, plain)
@@ -1224,9 +1270,7 @@ def _plan_resized(gm: fx.GraphModule, inputs: tuple, config: _Config, timed: Gra
             cand = (recompute_time(graph, schedule), peak, schedule, plan_)
             best = cand if best is None or cand[:2] < best[:2] else best
     if best is None:
-        choice = choose(graph, config.budget, strategy=config.strategy, exact_cap=config.exact_cap,
-                        rotor_slots=config.rotor_slots, plain_peak_bytes=baseline, nested=config.nested,
-                        early_stop=_early_stop(config, gm, inputs))
+        choice = _choose(graph, config, gm, inputs, baseline, later)
     else:
         rtime, peak, schedule, plan_ = best
         choice = Choice(schedule=schedule, strategy=plan_.strategy, objective=plan_.objective, budget_bytes=target,
@@ -1253,6 +1297,13 @@ def _number_arguments_hint(signature: tuple) -> str:
     return (" Each value of a Python number argument (int, float) is a signature of its own (it may set a "
             "shape): pass one that changes at every step (a timestep, a scale) as a tensor, torch.tensor(t), "
             "to plan once.")
+
+
+def _describe_signature(signature: tuple) -> str:
+    """The input shapes and the autocast state of a plan-cache key."""
+    amp = [f"autocast {e[1]} {str(e[2]).removeprefix('torch.')}" for e in signature
+           if isinstance(e, tuple) and len(e) == 3 and e[0] == "autocast"]
+    return _describe_inputs(signature) + (f" under {', '.join(amp)}" if amp else "")
 
 
 class _State:
@@ -1287,6 +1338,8 @@ class _State:
         self.timed: collections.OrderedDict = collections.OrderedDict()
         self.planned: set = set()  # hashes of every signature planned, to see planning repeat
         self.warned = False
+        self.planned_once = False  # a signature was planned (the budget checked): later ones are "later"
+        self.warned_fraction = False  # a later signature could not reach a fraction budget (_choose)
         self.fit_signatures = False  # the example inputs' plan was fitted: so should later signatures' be
         self.fitting = False  # inside RematModule.fit_compiled_peak
         self.warned_unfitted = False
@@ -1369,17 +1422,19 @@ class _State:
         layout = _layout(key)
         _check_inputs(self.traced, inputs)
         plain = _plain_forward(self.model, *self.call_of(inputs))
+        later = _Later(_describe_signature(key), self) if self.planned_once else None
         if self.config.plan is None and layout in self.timed:
             kept = [entry[0] for (lay, _), entry in self.emitted.items() if lay == layout]
-            the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept, plain)
+            the_plan = _plan_resized(self.traced, inputs, self.config, self.timed[layout], kept, plain, later=later)
             self.timed.move_to_end(layout)
         else:
             the_plan, costs = _plan_graph(self.traced, inputs, self.config, "the plan passed to fxremat.compile",
-                                          plain)
+                                          plain, later=later)
             if costs is not None:
                 self.timed[layout] = costs
             while len(self.timed) > self.config.max_plans:
                 self.timed.popitem(last=False)
+        self.planned_once = True
         return (the_plan, *self._emitted(layout, the_plan))
 
     def call_of(self, inputs: tuple) -> tuple[tuple, dict]:
@@ -1903,8 +1958,10 @@ class RematModule(torch.nn.Module):
                 state.settings.refresh()  # the capture ran the forward's Python
                 gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
                 rebind(attribute_bindings(gm, state.model))
+                later = _Later(_describe_signature(key[1:]), state) if state.planned_once else None
                 the_plan, _ = _plan_graph(gm, inputs, state.config, "the plan passed to fxremat.compile",
-                                          captured.plain)
+                                          captured.plain, later=later)
+                state.planned_once = True
             emitted = _emit(gm, the_plan)
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",

@@ -49,7 +49,10 @@ class CostGraph:
     ``param_grad_bytes[v]``: the gradients of the parameters v reads, all alive while v's backward
     hands on its results. ``shared_params``: ``(bytes, readers)`` of each parameter that two or
     more call nodes read (tied weights, a module called twice): autograd holds its gradient from
-    the backward of its first reader (in backward order) to that of its last.
+    the backward of its first reader (in backward order) to that of its last. ``cast_shared``
+    (empty: none): the indices in ``shared_params`` of those read through autocast's cache (one
+    cast of the weight for all its readers, the bytes are the cast's): their gradient is summed in
+    the cast's dtype and copied to the parameter's once, after its last reader's own is added.
 
     The checkpoint mechanism's own time, in ``time`` units: ``checkpoint_time`` per recomputed
     segment (RNG state, set-up, early stop) and ``hook_time[v]`` for each node v in it (the
@@ -58,7 +61,10 @@ class CostGraph:
 
     The loss: ``loss_bytes`` is what a loss computed from the outputs is assumed to hold at its
     peak, while the backward starts, beyond the outputs' gradients (a cross-entropy per output:
-    :func:`fxremat.passes.lower._loss_bytes`); ``loss_output`` the index of a one-element
+    :func:`fxremat.passes.lower._loss_bytes`); ``loss_forward_bytes`` the peak of that loss's
+    forward beyond the outputs (log-softmaxes, targets, and the float32 copy of a bf16 output it
+    makes first), which under autocast's cache runs before the cache goes (the loss is computed
+    inside the autocast region, as the usual recipe does); ``loss_output`` the index of a one-element
     differentiable output when the model returns its loss (Hugging Face models given
     ``labels=``), from which alone the backward starts (``loss_bytes`` is then 0), else ``None``.
 
@@ -138,6 +144,8 @@ class CostGraph:
     state_reads: tuple[tuple[int, ...], ...] = ()
     state_writes: tuple[tuple[int, ...], ...] = ()
     bwd_freed_inputs: tuple[tuple[int, ...], ...] = ()
+    cast_shared: tuple[int, ...] = ()
+    loss_forward_bytes: int = 0
 
     def __post_init__(self):
         n = len(self.names)
@@ -147,7 +155,7 @@ class CostGraph:
                           "held_bytes", "bwd_tail_bytes", "state_reads", "state_writes",
                           "bwd_freed_inputs") and not value:
                 continue  # no autocast cache; no backward that allocates before it unpacks or frees early; no hook's weight
-            if f.name == "state_bytes":  # one entry per mutated buffer
+            if f.name in ("state_bytes", "cast_shared"):  # one entry per mutated buffer, per shared cast
                 continue
             if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
                 raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")

@@ -20,17 +20,22 @@ def _mib_gib(n: int) -> str:
 class InfeasibleBudgetError(ValueError):
     """The budget is below the smallest peak any recomputation plan reaches.
 
-    ``min_feasible_bytes`` holds that smallest peak; ``budget="min"`` plans for it.
+    ``min_feasible_bytes`` holds that smallest peak; ``budget="min"`` plans for it. ``hint``, where
+    given, replaces the advice at the end (:attr:`ADVICE`): for an input signature planned at a
+    training step, the budget passed to :func:`fxremat.compile` is what to change; where one leaf
+    node holds most of that peak, the hint names it too (see ``fxremat.api._leaf_hint``).
     """
+
+    ADVICE = "raise the budget or use budget='min'"
 
     def __init__(self, budget_bytes: int, min_feasible_bytes: int, hint: str | None = None):
         self.budget_bytes = int(budget_bytes)
         self.min_feasible_bytes = int(min_feasible_bytes)
-        self.hint = hint  # what holds that peak up, where one node does (see fxremat.api._leaf_hint)
+        self.hint = hint
         super().__init__(
             f"fxremat: budget {budget_bytes} bytes ({_mib_gib(budget_bytes)}) is below the "
             f"smallest feasible peak {min_feasible_bytes} bytes ({_mib_gib(min_feasible_bytes)}) "
-            "for this model and input; raise the budget or use budget='min'" + (f". {hint}" if hint else "")
+            f"for this model and input; {hint or self.ADVICE}"
         )
 
 

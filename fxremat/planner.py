@@ -381,8 +381,12 @@ def _sources(graph: CostGraph, strategy: str, exact_cap: int | None, rotor_slots
 
 def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_cap: int | None = DEFAULT_EXACT_CAP,
            rotor_slots: int = DEFAULT_ROTOR_SLOTS, plain_peak_bytes: int | None = None, nested: bool = True,
-           early_stop: bool = False) -> Choice:
+           early_stop: bool = False, least_if_below: bool = False) -> Choice:
     """Plan ``graph`` under ``budget`` (see the module docstring).
+
+    ``least_if_below``: a budget below the least feasible peak plans for that least (as
+    ``budget="min"``) instead of raising :class:`~fxremat.InfeasibleBudgetError`; the caller
+    tells by ``Choice.objective`` (``"memory-centric"``).
 
     ``plain_peak_bytes``: the model's own peak without fxremat, where it is not the graph's
     (a captured model whose plain code takes other paths, see :mod:`fxremat.passes.capture`):
@@ -426,6 +430,8 @@ def choose(graph: CostGraph, budget: Budget, *, strategy: str = "auto", exact_ca
     floor_name = min((n for n in least if least[n]), key=lambda n: (least[n].peak_bytes, least[n].recompute_time))
     floor = least[floor_name]
     seconds = lambda: sum(src.seconds for src in sources.values())  # noqa: E731
+    if target is not None and target < floor.peak_bytes and least_if_below:
+        target = None
     if target is None:
         ties = {n: _fewer_checkpoints(graph, c, floor.peak_bytes) for n, c in least.items()
                 if c is not None and c.peak_bytes <= floor.peak_bytes}

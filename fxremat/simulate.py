@@ -88,6 +88,7 @@ class _SharedParams:
         reached = _reached(graph)
         self.mem = mem
         self.at: dict[int, list[tuple[int, int, bool, bool]]] = {}  # v -> (param, bytes, first, last)
+        self.cast = set(graph.cast_shared)
         for i, (nbytes, readers) in enumerate(graph.shared_params):
             readers = [v for v in readers if v in reached]
             if len(readers) < 2:
@@ -96,8 +97,17 @@ class _SharedParams:
                 self.at.setdefault(v, []).append((i, nbytes, v == readers[-1], v == readers[0]))
 
     def summed(self, v: int) -> list[int]:
-        """Bytes of the sums v's backward makes into shared parameters' buffers."""
-        return [nbytes for _, nbytes, first, _ in self.at.get(v, ()) if not first]
+        """Bytes of the sums v's backward makes into shared parameters' buffers (not those of casts
+        it ends: :meth:`cast_ends`)."""
+        return [nbytes for i, nbytes, first, last in self.at.get(v, ()) if not first and not (last and i in self.cast)]
+
+    def cast_ends(self, v: int) -> list[tuple[int, int]]:
+        """``(index, bytes)`` of the shared casts (autocast's, ``graph.cast_shared``) whose gradient
+        v's backward completes: once v's op has let go of what it saved, its own gradient is added
+        to the sum so far (out of place), which then goes, and the new sum is copied to the
+        parameter's dtype; that copy is in v's transient (measured on its own, on its own gradient,
+        beside which the sum so far is not held again)."""
+        return [(i, nbytes) for i, nbytes, first, last in self.at.get(v, ()) if last and not first and i in self.cast]
 
     def after(self, v: int) -> None:
         for i, nbytes, first, last in self.at.get(v, ()):
@@ -199,6 +209,9 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
                 maybe_free(r)
             maybe_free(v)
     if graph.cache_bytes:  # autocast's cache goes when the forward's autocast region exits
+        # the loss is computed inside that region, beside the cache (a VAE's float32 log-softmax and
+        # targets at its forward's end: 1.05x its budget at "min" where the cache had gone first)
+        mem.note(graph.loss_forward_bytes)
         for seg, rec in zip(schedule.segments, schedule.recomputed):
             for v in seg:
                 mem.free(("c", v))
@@ -279,6 +292,11 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, held_on: i
             else:
                 grads.give(p, graph.grad_bytes[p], share)
     incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
+    # a shared cast whose gradient v completes: the sum so far is let go when v's own has been added
+    # to it, after v's op (whose transient, measured alone, holds the copy of that new sum)
+    ends = grads.shared.cast_ends(v) if v in grads.of else []
+    for i, _ in ends:
+        mem.free(("p", i))
     mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
     sums = [graph.grad_bytes[p] for p in again]
     if v in grads.of:
@@ -286,6 +304,8 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, held_on: i
     grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
     mem.free(("xc", v))
+    for _, nbytes in ends:  # the old sum, v's own gradient and the new sum at once
+        mem.note(incoming + 3 * nbytes)
     if sums:
         params = min(graph.param_grad_bytes[v], graph.bwd_transient_bytes[v])
         mem.note(incoming + params + max(sums))
@@ -542,12 +562,13 @@ def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:
 
     :func:`fxremat.simulate.simulate` records one event per forward allocation (two per node of
     a plain segment: its output and its extra saved buffers; under autocast's cache one more, its
-    cached casts, and one per node of a plain segment where the cache goes at the forward's end:
-    what it saves of them), one per output gradient, then the loss: that event is
-    ``backward_start``.
+    cached casts, then one for the loss's forward and one per node of a plain segment where the
+    cache goes at the forward's end: what it saves of them), one per output gradient, then the
+    loss: that event is ``backward_start``.
     """
     _, events = simulate(graph, schedule, timeline=True)
     cache = 1 if graph.cache_bytes else 0
     forward = sum(len(seg) * (1 + cache if rec else 2 + 2 * cache) for seg, rec in zip(schedule.segments, schedule.recomputed))
+    forward += cache  # the loss's forward, before the cache goes
     out_grads = len(graph.gradient_outputs())
     return Timeline(tuple(events), forward + out_grads)

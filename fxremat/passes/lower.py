@@ -66,7 +66,7 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
     for v, c in enumerate(node_costs):
         owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
         saved.append(tuple(sorted(owners)))
-    shared = _shared_params(gm, node_costs)
+    shared, cast_shared = _shared_params(gm, node_costs)
     # The loss is the output node the backward starts from: after ``loss += 0.4 * aux_loss`` (in
     # place, as UperNet's) that is the write, not the storage's first node, whose backward alone
     # would leave the auxiliary branch without a gradient (the prediction then missed its
@@ -122,7 +122,10 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         bwd_freed_inputs=(tuple(tuple(sorted(index[a] for a in c.bwd_freed_inputs if a in index)) for c in node_costs)
                           if any(c.bwd_freed_inputs for c in node_costs) else ()),
         shared_params=shared,
+        cast_shared=cast_shared,
         loss_bytes=0 if loss_output is not None else _loss_bytes(_output_order(gm.graph, index), node_costs),
+        loss_forward_bytes=0 if loss_output is not None else _loss_forward_bytes(_output_order(gm.graph, index),
+                                                                                 node_costs),
         loss_output=loss_output,
         checkpoint_time=round(costs.mechanism.per_checkpoint / unit) if costs.mechanism else 0,
         hook_time=tuple(round(costs.mechanism.of_node(c.saved_count, c.saved_bytes) / unit) if costs.mechanism else 0
@@ -176,6 +179,21 @@ def _loss_bytes(order, node_costs) -> int:
     return max(0, peak, held + targets)  # (the loss's forward holds every log-softmax and target)
 
 
+def _loss_forward_bytes(order, node_costs) -> int:
+    """The peak of the assumed loss's forward beyond the outputs (``CostGraph.loss_forward_bytes``):
+    the parts run in output order, each making its target, then (a bf16 output under autocast) a
+    float32 copy of its output, from which its log-softmax is made and which then goes; each
+    part's log-softmax and target stay for the backward."""
+    held = peak = 0
+    for v in dict.fromkeys(order):
+        c = node_costs[v]
+        if not c.loss_held_bytes:
+            continue
+        peak = max(peak, held + c.loss_target_bytes + c.loss_cast_bytes + c.loss_held_bytes)
+        held += c.loss_held_bytes + c.loss_target_bytes
+    return peak
+
+
 def _written_first(gm: fx.GraphModule, calls, roots, preds) -> tuple[tuple[int, ...], ...]:
     """The data edges, where a node reads a value that an in-place op wrote after it was made, from
     that write: ``attn.mul_(mask)`` whose result is dropped, then ``attn.softmax(-1)``. The read
@@ -194,15 +212,30 @@ def _written_first(gm: fx.GraphModule, calls, roots, preds) -> tuple[tuple[int, 
     return tuple(edges)
 
 
-def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[int, tuple[int, ...]], ...]:
-    """(gradient bytes, reader nodes in order) of each parameter read by two or more call nodes."""
+def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, ...]]:
+    """(gradient bytes, reader nodes in order) of each parameter read by two or more call nodes,
+    and the indices of those read through autocast's cache (``CostGraph.cast_shared``).
+    Where every reader reads it through autocast's cache (one bf16 cast of a weight, reused by
+    each call of its module), the gradient held from reader to reader is the cast's, in its dtype:
+    autograd sums the readers' gradients at the cast's node and copies the sum to the parameter's
+    dtype once, after the last (HF-style DiT, whose timestep embedding is called by each block:
+    its cast's bf16 gradients were not held at all, -4.2% on the plain peak)."""
     readers: dict[str, list[int]] = {}
+    cast: dict[str, list[int]] = {}
     for v, c in enumerate(node_costs):
         for name in c.params:
             readers.setdefault(name, []).append(v)
+        for name, nbytes in c.cast_params:
+            cast.setdefault(name, []).append(nbytes)
     params = dict(gm.named_parameters())
-    return tuple((params[name].numel() * params[name].element_size(), tuple(r))
-                 for name, r in readers.items() if len(r) >= 2)
+    shared, through_cache = [], []
+    for name, r in readers.items():
+        if len(r) >= 2:
+            if len(cast.get(name, ())) == len(r):
+                through_cache.append(len(shared))
+            shared.append((cast[name][0] if len(cast.get(name, ())) == len(r)
+                           else params[name].numel() * params[name].element_size(), tuple(r)))
+    return tuple(shared), tuple(through_cache)
 
 
 def _written_storages(gm: fx.GraphModule, calls, node_costs, index: dict):

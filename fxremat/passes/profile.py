@@ -110,6 +110,9 @@ class NodeCost:
     saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
     cache_bytes: int = 0  # autocast's cached casts of parameters it made (alive until the forward ends)
     cache_saved_bytes: int = 0  # ... those of them its backward saves (kept until it, where it is not recomputed)
+    # (a cast an earlier call made and this one reads again from the cache counts here once, at
+    # the first call that saves it, and nowhere in extra_bytes)
+    cast_params: tuple[tuple[str, int], ...] = ()  # (parameter, bytes of its cast) it read through autocast's cache
     bwd_unpack_bytes: int = 0  # what its backward holds when it first unpacks a saved tensor (see _backward_transient)
     bwd_released_bytes: int = 0  # ... the gradient it was handed that it lets go before its peak or that unpack
     held_bytes: int = 0  # tensors its call left on its module as attributes, held there until its next call
@@ -117,6 +120,7 @@ class NodeCost:
     bwd_freed_inputs: tuple[str, ...] = ()  # producers of saved inputs its backward lets go before its peak
     loss_held_bytes: int = 0  # a graph output's log-softmax in the assumed loss (0: none; see _loss_part)
     loss_target_bytes: int = 0  # ... and that cross-entropy's int64 class-index target
+    loss_cast_bytes: int = 0  # ... and the copy of the output in the loss's dtype it makes first (bf16 output)
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class _AutocastCasts(TorchDispatchMode):
         super().__init__()
         self.param_keys = param_keys
         self.made: dict = {}
+        self.param_of: dict = {}  # cast's storage key -> its parameter's
+        self.dtype_of: dict = {}  # cast's storage key -> its dtype
         self.storages: list[weakref.ref] = []  # weak references to the casts' storages
         # (read here: inside a dispatch mode autocast reads as off)
         self.caching = torch.is_autocast_cache_enabled() and any(
@@ -213,24 +219,29 @@ class _AutocastCasts(TorchDispatchMode):
                 and args[0].requires_grad and _storage_key(args[0]) in self.param_keys
                 and out.dtype != args[0].dtype):
             self.made[_storage_key(out)] = out.untyped_storage().nbytes()
+            self.param_of[_storage_key(out)] = _storage_key(args[0])
+            self.dtype_of[_storage_key(out)] = out.dtype
             self.storages.append(weakref.ref(out.untyped_storage()))
         return out
 
 
-def _loss_part(out) -> tuple[int, int]:
+def _loss_part(out) -> tuple[int, int, int]:
     """What the loss a plain step is assumed to take holds for a graph output ``out``: a
     cross-entropy of each of its floating tensors of two or more dimensions that takes a gradient,
     classes along dim 1 (:func:`fxremat.measure.default_loss`). ``(log-softmax bytes, target
-    bytes)``: the log-softmax is in the dtype the loss computes in (under autocast a bf16 output's
-    is float32: autocast runs ``cross_entropy`` in float32), the target is int64 class indices."""
-    held = target = 0
+    bytes, cast bytes)``: the log-softmax is in the dtype the loss computes in (under autocast a
+    bf16 output's is float32: autocast runs ``cross_entropy`` in float32, on a copy of the output
+    in that dtype, the cast bytes, alive until the log-softmax is made), the target is int64 class
+    indices."""
+    held = target = cast = 0
     for t in _tensors(out):
         if t.requires_grad and t.is_floating_point() and t.dim() >= 2:
             probe = torch.nn.functional.cross_entropy(torch.zeros((1, 1), dtype=t.dtype, device=t.device),
                                                       torch.zeros(1, dtype=torch.long, device=t.device))
             held += t.numel() * probe.element_size()
             target += t.numel() // t.shape[1] * 8 if t.shape[1] else 0
-    return held, target
+            cast = max(cast, t.numel() * probe.element_size() if probe.dtype != t.dtype else 0)
+    return held, target, cast
 
 
 def _noting_storages(refs: list):
@@ -362,16 +373,20 @@ class _Capture(torch.autograd.Function):
         return None, None
 
 
-def _stand_in(p: torch.Tensor, stand_ins: dict) -> torch.Tensor:
+def _stand_in(p: torch.Tensor, stand_ins: dict, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A leaf sharing ``p``'s storage whose ``.grad`` exists (allocated here, outside any tracker):
     its gradient is accumulated in place, as a parameter's is in every step after the first,
     without running ``p``'s own accumulation or its hooks. One per parameter (``stand_ins``,
-    by identity), so that a parameter read twice gets one accumulation."""
-    if id(p) not in stand_ins:
-        alias = p.detach().requires_grad_()
-        alias.grad = torch.zeros_like(p)
-        stand_ins[id(p)] = alias
-    return stand_ins[id(p)]
+    by identity), so that a parameter read twice gets one accumulation. With ``dtype``: a leaf
+    copy of ``p`` in that dtype, standing for autocast's cached cast of it that an earlier call
+    made (the call's backward hands the cast its gradient in that dtype; it is copied to ``p``'s
+    dtype once, after the cast's first reader, not in this call's backward)."""
+    key = id(p) if dtype is None else (id(p), dtype)
+    if key not in stand_ins:
+        alias = p.detach().requires_grad_() if dtype is None else p.detach().to(dtype).requires_grad_()
+        alias.grad = torch.zeros_like(alias)
+        stand_ins[key] = alias
+    return stand_ins[key]
 
 
 def _attribute_tensors(module: torch.nn.Module) -> dict[int, int]:
@@ -455,6 +470,11 @@ class _ProfilingInterpreter(_GraphInterpreter):
         for k in self.param_keys:
             self.owner[k] = ""
         self.stored_keys = frozenset(self.owner)  # parameters and buffers
+        # autocast's cached casts made so far: storage key -> (parameter name, bytes); a later call
+        # of the same module (or another reader of the parameter) reads the cast from the cache
+        self.cached_casts: dict[int, tuple[str, int]] = {}
+        self.claimed_casts: set[int] = set()  # ... those a call's cache_saved_bytes already holds
+        self.cast_dtypes: dict[str, torch.dtype] = {}  # parameter name -> the dtype of its cached cast
         self.costs: list[NodeCost] = []
         # per call_module node: storage key -> (bytes, saved by its backward) of the tensors its call
         # left on its module as attributes (:func:`_attribute_tensors`; see :meth:`settled_costs`)
@@ -501,21 +521,26 @@ class _ProfilingInterpreter(_GraphInterpreter):
                     or (rng_before is not None and not _same_states(rng_before, _rng_states())))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
-        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, casts.made), mutated_buffers=mutated,
+        made = {key: (self.param_names[casts.param_of[key]], nbytes) for key, nbytes in casts.made.items()}
+        cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
+        self.cached_casts.update(made)
+        self.cast_dtypes.update({self.param_names[casts.param_of[key]]: dtype for key, dtype in casts.dtype_of.items()})
+        # the casts it read from the cache, made by an earlier call: its backward hands them their gradient
+        reused = {name for name, _ in cost.cast_params} - {name for name, _ in made.values()}
         if n.op == "call_module":  # (after _node_cost, which makes the outputs' storages the node's)
             left = _attribute_tensors(self.module.get_submodule(n.target))
             self.left_on_module[n.name] = {key: (nbytes, key in recorder.saved) for key, nbytes in left.items()
                                            if key not in attributes and self.owner.get(key) is None}
         if any(u.op == "output" for u in n.users):
-            held, target = _loss_part(out)
-            cost = replace(cost, loss_held_bytes=held, loss_target_bytes=target)
+            held, target, cast = _loss_part(out)
+            cost = replace(cost, loss_held_bytes=held, loss_target_bytes=target, loss_cast_bytes=cast)
         if cost.root == n.name:  # views and in-place ops hand back views or one new gradient
-            transient, unpack, released, tail, freed = self._backward_transient(n)
+            transient, unpack, released, tail, freed = self._backward_transient(n, reused=reused)
             cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released,
                            bwd_tail_bytes=tail, bwd_freed_inputs=freed)
         elif (view := self._written_view(n)) is not None:  # but not a write into a view
-            transient, unpack, released, tail, freed = self._backward_transient(n, view)
+            transient, unpack, released, tail, freed = self._backward_transient(n, view, reused=reused)
             cost = replace(cost, bwd_transient_bytes=transient, bwd_unpack_bytes=unpack, bwd_released_bytes=released,
                            bwd_tail_bytes=tail, bwd_freed_inputs=freed)
         self.costs.append(cost)
@@ -544,7 +569,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
                  if t.requires_grad and t._is_view()]
         return views[0] if len(views) == 1 else None
 
-    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None) -> tuple[int, int, int, int, tuple]:
+    def _backward_transient(self, n: fx.Node, view: torch.Tensor | None = None, *,
+                            reused: frozenset[str] | set[str] = frozenset()) -> tuple[int, int, int, int, tuple]:
         """Peak bytes of the node's backward alone beyond the gradients it hands its inputs, run as
         a training step runs it: the forward again on detached inputs and on stand-ins for its
         parameters (:func:`_stand_in`: their ``.grad`` exists, so each parameter's gradient is
@@ -604,7 +630,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
             if not t.requires_grad:
                 return self._own_copy(t, t, copies)
             if t.is_leaf and _storage_key(t) in self.param_keys:  # a parameter, not a view of one
-                return _stand_in(t, stand_ins)
+                return self._param_stand_in(t, stand_ins, reused)
             leaf = t.detach().requires_grad_()
             leaves.append(leaf)
             return self._own_copy(t, _Capture.apply(leaf, arrived), copies)
@@ -625,8 +651,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
               _autocast_cache_off() if casts.caching else contextlib.nullcontext()):
             if n.op == "call_module":
                 mod = self.module.get_submodule(n.target)
-                params = {name: _stand_in(p, stand_ins) for name, p in mod.named_parameters(remove_duplicate=False)
-                          if p.requires_grad}
+                params = {name: self._param_stand_in(p, stand_ins, reused)
+                          for name, p in mod.named_parameters(remove_duplicate=False) if p.requires_grad}
                 with _attributes_kept(mod) as hooked:
                     out = torch.func.functional_call(mod, params, args, kwargs)
             else:
@@ -699,6 +725,15 @@ class _ProfilingInterpreter(_GraphInterpreter):
         freed = tuple(sorted({owner for key, owner in saved_copies.items() if key not in tracker.alive_at_peak}))
         return transient, unpack, released, tail, freed
 
+    def _param_stand_in(self, p: torch.Tensor, stand_ins: dict, reused) -> torch.Tensor:
+        """:func:`_stand_in` of parameter ``p``; in its cast's dtype where the call reads autocast's
+        cast of it from the cache (``reused``: made by an earlier call of the same module). Run on
+        the parameter, each such call's backward copied its gradient to float32, which the step
+        does once, after the cast's first reader (part of the +86% on the plain peak of a Linear
+        called three times under bf16 autocast)."""
+        name = self.param_names.get(_storage_key(p))
+        return _stand_in(p, stand_ins, self.cast_dtypes[name] if name in reused else None)
+
     def _own_copy(self, t: torch.Tensor, value: torch.Tensor, copies: dict) -> torch.Tensor:
         """``value`` (the node's input ``t`` as the node reads it) copied into a storage of its own
         where ``t`` is the whole storage an earlier node made, so that the node's backward lets it
@@ -727,7 +762,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
 
 
     def _node_cost(self, n, out, saved, transient, flops, before=frozenset(), casts=None) -> NodeCost:
-        casts = {k: b for k, b in (casts or {}).items()  # an explicit cast (a captured graph's) is a value
+        """``casts``: autocast's cached casts the call made, storage key -> (parameter name, bytes)."""
+        casts = {k: c for k, c in (casts or {}).items()  # an explicit cast (a captured graph's) is a value
                  if k not in {_storage_key(t) for t in _tensors(out)}}
         out_bytes, root = 0, n.name
         for t in _tensors(out):
@@ -740,10 +776,20 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 self.owner[key] = n.name
                 out_bytes += t.untyped_storage().nbytes()
         saved_inputs, saves_output, extra, cache_saved = set(), False, 0, 0
+        read = dict(casts.values())  # parameter -> bytes of its cast, read through autocast's cache
         for key, nbytes in saved.items():
             who = self.owner.get(key)
-            if key in casts:
-                cache_saved += nbytes
+            if key in casts or key in self.cached_casts:
+                # A cast in autocast's cache, this call's or an earlier call's of the same weight (a
+                # module called again, which reuses the cast): one storage, held by the cache to
+                # the forward's end and then by the calls that save it, the first of them last in
+                # the backward; counted once, at that call. As extra bytes of each later call it was
+                # one weight per call too many (+86% on the plain peak of a Linear called 3 times).
+                if key not in self.claimed_casts:
+                    self.claimed_casts.add(key)
+                    cache_saved += nbytes
+                if key in self.cached_casts:
+                    read.setdefault(*self.cached_casts[key])
             elif who is None:
                 extra += nbytes
             elif who == n.name:
@@ -752,6 +798,14 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 saved_inputs.add(who)
         grad_alias = _grad_alias(out, self._fetch_args(n), before)
         params = self._node_params(n, out, before)
+        if self.cached_casts:  # casts it reads from the cache but does not save (its input takes no gradient)
+            cast_bytes = dict(self.cached_casts.values())
+            for p in _cast_reads(out, before, self.sequence_start):
+                name = self.param_names.get(_storage_key(p))
+                if name in cast_bytes:
+                    read.setdefault(name, cast_bytes[name])
+        for name in read:  # a cast made before the call is not among the autograd nodes it made
+            params.setdefault(name, self.module.get_parameter(name))
         moved = sum(t.untyped_storage().nbytes() for t in _tensors((self._fetch_args(n), out)))
         return NodeCost(
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
@@ -761,7 +815,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
             params=tuple(sorted(params)),
             fwd_cost=_flop_cost(self.cost_model, flops, moved),
             flops=flops, module=module_of(self.module, n)[0], grad_alias=grad_alias,
-            tensor_output=bool(_tensors(out)), cache_bytes=sum(casts.values()), cache_saved_bytes=cache_saved,
+            tensor_output=bool(_tensors(out)), cache_bytes=sum(nbytes for _, nbytes in casts.values()),
+            cache_saved_bytes=cache_saved, cast_params=tuple(sorted(read.items())),
         )
 
     def _fetch_args(self, n: fx.Node):
@@ -817,6 +872,29 @@ def _params_reached(out, boundary, start: int | None = None) -> list[torch.Tenso
             continue
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
+
+
+def _cast_reads(out, boundary, start: int) -> list[torch.Tensor]:
+    """The parameters whose cast, made before the call (an autograd node numbered below ``start``:
+    ``ToCopyBackward`` of a parameter), the autograd nodes that made ``out`` read: under autocast,
+    a cast an earlier call put in autocast's cache (:func:`_params_reached` does not walk into
+    nodes that old). Walked as there, ``boundary`` excluded."""
+    stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+    seen, found = set(), []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen or fn in boundary:
+            continue
+        seen.add(fn)
+        if getattr(fn, "variable", None) is not None:
+            continue
+        if fn._sequence_nr() < start:
+            nexts = [f for f, _ in fn.next_functions if f is not None]
+            if fn.name().startswith("ToCopyBackward") and len(nexts) == 1 and hasattr(nexts[0], "variable"):
+                found.append(nexts[0].variable)
+            continue
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return found
 
 
 def _next_sequence_nr() -> int:
