@@ -68,12 +68,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch.fx._pytree import tree_flatten_spec
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
 from .profile import PlainForward, forward_bytes, preserved_state
 from .trace import (function_call, functions_routed, hooked_modules, own_checkpoint_warning, own_checkpoints_seen,
-                    python_draws_warned, restore_modes, trace, user_line, varargs_reason)
+                    python_draws_warned, restore_modes, trace, user_line, user_stack_line, varargs_reason)
 
 __all__ = ["Captured", "capture_call", "tensor_leaves"]
 
@@ -358,14 +360,58 @@ def _forwards_replaced(modules: dict, make):
                 module.__dict__["forward"] = held[path]
 
 
-def _plain_calls(model: torch.nn.Module, modules: dict, args: tuple, kwargs: dict) -> dict[str, list[_PlainCall]]:
+# The functions that draw random numbers into a new tensor (or in place, for the methods), whose
+# values a branch may read: not dropout, whose draw changes values and never the work done.
+_RANDOM_DRAWS = {torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+                 torch.randperm, torch.bernoulli, torch.normal, torch.poisson, torch.multinomial,
+                 torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.bernoulli_, torch.Tensor.random_,
+                 torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+                 torch.Tensor.bernoulli, torch.Tensor.multinomial}
+# What turns a tensor's value into a Python value, on which the code may branch.
+_READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__float__, torch.Tensor.__int__,
+          torch.Tensor.__index__, torch.Tensor.tolist}
+
+
+class _RandomBranches(TorchFunctionMode):
+    """While active, tensors computed from a random draw (:data:`_RANDOM_DRAWS`, then every op
+    that reads one) are followed, and the first place the code reads one's value as a Python
+    value is kept in ``where`` (``file:line (function: code)``): a LayerDrop's ``if torch.rand([])
+    < p: continue``, which export cannot capture, so its module is kept whole, and whose memory
+    then depends on the draw (the plan holds for the profiled call's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drawn = WeakIdKeyDictionary()
+        self.where: str | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        from_draw = any(x in self.drawn for x in inputs)
+        if from_draw and func in _READS and self.where is None:
+            self.where = user_stack_line() or "its forward"
+        out = func(*args, **kwargs)
+        if func in _RANDOM_DRAWS or from_draw:
+            for x in tree_flatten(out)[0]:
+                if isinstance(x, torch.Tensor):
+                    self.drawn[x] = True
+        return out
+
+
+def _plain_calls(model: torch.nn.Module, modules: dict, args: tuple, kwargs: dict,
+                 random_branches: dict | None = None) -> dict[str, list[_PlainCall]]:
     """The calls of ``modules`` in one plain run of ``model(*args, **kwargs)`` (no gradients; its
-    buffers and the RNG states put back): what each took and returned."""
+    buffers and the RNG states put back): what each took and returned. Where a module's code
+    branched on a random draw, ``random_branches[its path]`` is the line (see
+    :class:`_RandomBranches`)."""
     calls: dict[str, list[_PlainCall]] = {path: [] for path in modules}
 
     def recording(path, forward):
         def call(*a, **k):
-            out = forward(*a, **k)
+            with _RandomBranches() as seen:
+                out = forward(*a, **k)
+            if seen.where is not None and random_branches is not None:
+                random_branches.setdefault(path, seen.where)
             leaves, spec = tree_flatten(out)
             inputs = _argument_shapes(forward, a, k)
             calls[path].append(_PlainCall(inputs, [_TensorMeta.of(x) if isinstance(x, torch.Tensor) else x
@@ -540,12 +586,12 @@ def _in_distributions(exc: BaseException | None) -> bool:
     return False
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict) -> tuple:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, random_branches: dict) -> tuple:
     """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
-    module) recorded as one op each."""
+    module) recorded as one op each; those that branch on a random draw go in ``random_branches``."""
     checkpoints: list[str] = []
-    plain = _plain_calls(model, opaque, args, kwargs) if opaque else {}
+    plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
@@ -603,9 +649,11 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
     warned about."""
     opaque: dict[str, torch.nn.Module] = dict(given)
     said = []  # (failing path, its class, the paths made opaque, line, cause) of each round
+    random_branches: dict[str, str] = {}  # path -> the line that branches on a random draw
     for _ in range(_MAX_OPAQUE_ROUNDS):
+        random_branches.clear()
         try:
-            result = _export(model, args, kwargs, opaque)
+            result = _export(model, args, kwargs, opaque, random_branches)
             break
         except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
             mismatch = _cause_of_type(exc, _OpaqueMismatch)
@@ -649,7 +697,28 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
                f"({', '.join(map(repr, paths[:8]))}{', ...' if len(paths) > 8 else ''})")
             + f": run as written, kept or recomputed whole, the rest of the model captured around them. Pass "
             f"leaf_modules=({cls},) to silence this warning.", stacklevel=4)
+    for path, where in random_branches.items():
+        warnings.warn(_random_branch_warning(model, path, where), UserWarning, stacklevel=4)
     return (*result, opaque)
+
+
+def _random_branch_warning(model: torch.nn.Module, path: str, where: str) -> str:
+    """The warning for a submodule kept whole whose code branches on a random draw at ``where``:
+    the plan is made for the draw of the profiled call, and a step that draws otherwise does other
+    work (a LayerDrop that skips fewer layers keeps more activations: Hugging Face's BioGPT with
+    layerdrop=0.5 measured up to 1.95x the budget, silently)."""
+    module = model.get_submodule(path)
+    layerdrop = next((name for name in ("layerdrop", "layer_drop")
+                      if isinstance(getattr(module, name, None), float) and getattr(module, name)), None)
+    fix = (f"set model.{path}.{layerdrop} = 0 (and model.config.{layerdrop} = 0, where the model has a config) "
+           f"while training under fxremat" if layerdrop else
+           "draw nothing to branch on while training under fxremat (LayerDrop or stochastic depth set to 0)")
+    return (f"fxremat: submodule {path!r} ({type(module).__name__}) is kept as one leaf node and its code branches "
+            f"on a random draw at {where}: the work it does, and so its memory, varies with the draw (a LayerDrop "
+            f"skips a different number of layers at each step), and the plan holds only for the draw of the "
+            f"profiled call; a training step that draws otherwise may go over the budget, unseen. To keep the "
+            f"budget, {fix}, or compile the layers it runs apart (each fxremat.compile'd, the branch left in "
+            f"the plain code around them).")
 
 
 def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modules=()) -> Captured:

@@ -1156,6 +1156,12 @@ def user_line(exc: BaseException) -> str | None:
     return _user_frame(traceback.extract_tb(exc.__traceback__))
 
 
+def user_stack_line() -> str | None:
+    """``file:line (function: code)`` of the innermost frame of the running stack outside torch
+    and fxremat: the model's code that called in."""
+    return _user_frame(traceback.extract_stack())
+
+
 def _user_frame(frames: traceback.StackSummary) -> str | None:
     """``file:line (function: code)`` of the innermost of ``frames`` outside torch and fxremat."""
     torch_dir = os.path.dirname(torch.__file__) + os.sep
