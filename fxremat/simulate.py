@@ -460,6 +460,11 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             parent()
         k, runs = stop
         ran = order[:k + 1] if runs else order[:k]
+        # the node it stops at before running (a kept one: it saves its inputs) under autocast has
+        # made its casts of the weights first, the early stop coming as it saves them: they are
+        # held, as a node that ran holds them, until its backward (a 1024x512x3x3 convolution
+        # recomputed alone in HRNet: its bf16 weight beside its backward, 1.26x the budget at "min")
+        cast_only = order[k] if graph.cache_bytes and not runs and not inner.recomputed[sub_of[order[k]]] else None
         if graph.state_bytes:
             mem.alloc(("rs", path), graph.restore_bytes(seg))
         # the nested checkpoints it runs take their copies again (a nested segment runs whole or not at all)
@@ -486,6 +491,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                     needed[r].discard(v)
                     maybe_free(r)
             maybe_free(v)
+        if cast_only is not None:
+            mem.alloc(("rc", depth, cast_only), graph.cache_bytes[cast_only])
         for v in ran:  # the early stop: consumers after it never run
             needed[v].clear()
             maybe_free(v)
@@ -494,7 +501,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             for where, _ in found:
                 mem.free(("rsnap", path, where))
         if graph.cache_bytes:  # its region exits: what a node kept saves of the cache stays
-            for v in ran:
+            for v in ran + [cast_only] * (cast_only is not None):
                 mem.free(("rc", depth, v))
                 if not inner.recomputed[sub_of[v]]:
                     mem.alloc(("xc", v), graph.cache_saved_bytes[v])
