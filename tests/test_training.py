@@ -231,6 +231,18 @@ def test_autocast_recomputation_stopping_at_a_layer_makes_its_weights_cast():
     assert peak <= 1.05 * compiled.plan.budget_bytes, (peak, compiled.plan.budget_bytes)
 
 
+def _assert_bf16_plain_peak_predicted(model, plain, x):
+    """The plain peak ``fxremat.plan`` predicts for ``model`` under bf16 autocast is within 2% of
+    the step ``plain`` (``model`` itself or its twin) measures there."""
+    step = _bf16_step(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        predicted = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops").baseline_peak_bytes
+    with_grads(plain)
+    step(plain)
+    measured = fxremat.measure_peak(step, plain)[1]
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
 @pytest.mark.parametrize("net", [WideConvs, WideConvsCaptured], ids=["traced", "captured"])
 def test_autocast_plain_peak_is_predicted(net):
     """The plain step's peak under bf16 autocast: a convolution's backward peaks while its weight's
@@ -241,14 +253,7 @@ def test_autocast_plain_peak_is_predicted(net):
     torch.manual_seed(0)
     plain, model = pair(net())
     x = torch.randn(2, 3, 16, 16)
-    step = _bf16_step(x)
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        predicted = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops").baseline_peak_bytes
-    with_grads(plain)
-    step(plain)
-    measured = fxremat.measure_peak(step, plain)[1]
-    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    _assert_bf16_plain_peak_predicted(model, plain, x)
 
 
 def test_a_fraction_budget_a_later_autocast_signature_cannot_reach_is_planned_at_its_least():
@@ -324,13 +329,7 @@ def test_autocast_plain_peak_of_a_weight_read_by_several_calls(net):
     torch.manual_seed(0)
     model = net()
     x = torch.randn(16, model.head.in_features)
-    step = _bf16_step(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        predicted = fxremat.plan(model, "min", example_inputs=(x,), cost_model="flops").baseline_peak_bytes
-    with_grads(model)
-    step(model)
-    measured = fxremat.measure_peak(step, model)[1]
-    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    _assert_bf16_plain_peak_predicted(model, model, x)
 
 
 def test_autocast_loss_inside_the_region_is_computed_beside_the_cache():
