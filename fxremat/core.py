@@ -68,10 +68,12 @@ class CostGraph:
     differentiable output when the model returns its loss (Hugging Face models given
     ``labels=``), from which alone the backward starts (``loss_bytes`` is then 0), else ``None``.
 
-    ``cache_bytes[v]`` (empty: none anywhere): autocast's cached casts of parameters that v made
-    (bf16 copies of its weights), alive until the forward ends whether v is recomputed or not;
-    ``cache_saved_bytes[v]`` the part of them v's backward saves, then kept until it where v is
-    not recomputed (not in ``extra_bytes``).
+    ``cast_bytes[c]`` (empty: none anywhere): the bytes of autocast's cached cast c of a parameter
+    (a bf16 copy of a weight), one per parameter read through the cache; ``cast_reads[v]`` the
+    casts v reads, ``cast_saves[v]`` those of them v's backward saves (not in ``extra_bytes``). In
+    each autocast region, the forward's and each recomputation's, the first node that reads a
+    cast makes it, and the cache holds it until the region exits, whether its readers are
+    recomputed or not; then the region's kept nodes that save it hold it until their backwards.
 
     ``bwd_unpack_bytes[v]`` (empty: 0 everywhere): what v's backward holds when it first unpacks
     a tensor v saved, beyond the gradient it was handed. In a recomputed segment whose
@@ -134,8 +136,9 @@ class CostGraph:
     step_cost: float
     cost_unit: str
     param_grads_held: bool = False
-    cache_bytes: tuple[int, ...] = ()
-    cache_saved_bytes: tuple[int, ...] = ()
+    cast_bytes: tuple[int, ...] = ()
+    cast_reads: tuple[tuple[int, ...], ...] = ()
+    cast_saves: tuple[tuple[int, ...], ...] = ()
     bwd_unpack_bytes: tuple[int, ...] = ()
     bwd_released_bytes: tuple[int, ...] = ()
     held_bytes: tuple[int, ...] = ()
@@ -151,11 +154,11 @@ class CostGraph:
         n = len(self.names)
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("cache_bytes", "cache_saved_bytes", "bwd_unpack_bytes", "bwd_released_bytes",
+            if f.name in ("cast_reads", "cast_saves", "bwd_unpack_bytes", "bwd_released_bytes",
                           "held_bytes", "bwd_tail_bytes", "state_reads", "state_writes",
                           "bwd_freed_inputs") and not value:
                 continue  # no autocast cache; no backward that allocates before it unpacks or frees early; no hook's weight
-            if f.name in ("state_bytes", "cast_shared"):  # one entry per mutated buffer, per shared cast
+            if f.name in ("state_bytes", "cast_shared", "cast_bytes"):  # one entry per mutated buffer, per cast
                 continue
             if isinstance(value, tuple) and f.name != "shared_params" and len(value) != n:
                 raise ValueError(f"fxremat.core.CostGraph: {f.name} has {len(value)} entries for {n} nodes")
@@ -457,7 +460,8 @@ def to_networkx(graph: CostGraph) -> nx.DiGraph:
     return g
 
 
-_NESTED = {"preds", "succs", "order_preds", "saved", "state_reads", "state_writes", "bwd_freed_inputs"}
+_NESTED = {"preds", "succs", "order_preds", "saved", "state_reads", "state_writes", "bwd_freed_inputs",
+           "cast_reads", "cast_saves"}
 
 
 def save_graph(graph: CostGraph, path) -> None:

@@ -117,6 +117,50 @@ class _SharedParams:
                 self.mem.free(("p", i))
 
 
+class _Casts:
+    """Autocast's cached casts of parameters (``graph.cast_bytes``). Each autocast region, the
+    forward's and each recomputation's (a checkpoint recomputes in a region of its own, which
+    casts again: the forward's cache is gone by then), makes a cast at the first of its nodes that
+    reads it; the cache holds it until the region exits, then the region's kept nodes whose
+    backwards save it hold it until the last of those backwards. A weight read by several calls
+    (a shared layer) has one cast in a region, held while any of its kept savers lives: counted at
+    its first saver alone, it went where that call was recomputed while later calls kept it (Hugging
+    Face ALBERT under bf16, its one layer called 4 times: 1.06x the budget at 0.5), and a
+    recomputation of a later call alone was not seen to cast."""
+
+    def __init__(self, graph: CostGraph, mem: _Memory):
+        self.graph, self.mem = graph, mem
+        self.made: dict[tuple, set[int]] = {}  # region -> the casts it made
+        self.savers: dict[tuple, set[int]] = {}  # (region, cast) -> kept nodes whose backward has not run
+        self.held: dict[int, list[tuple]] = {}  # kept node -> the (region, cast) it holds
+
+    def run(self, region: tuple, v: int, transient: int = 0) -> None:
+        """v runs in ``region``: it casts what it reads that the region has not cast yet."""
+        made = self.made.setdefault(region, set())
+        for c in self.graph.cast_reads[v]:
+            if c not in made:
+                made.add(c)
+                self.mem.hold(("c", region, c), self.graph.cast_bytes[c])
+        self.mem.note(transient)
+
+    def exit(self, region: tuple, kept) -> None:
+        """``region`` exits: its cache lets go of the casts that none of its ``kept`` nodes saves."""
+        for v in kept:
+            for c in self.graph.cast_saves[v]:
+                self.savers.setdefault((region, c), set()).add(v)
+                self.held.setdefault(v, []).append((region, c))
+        for c in self.made.pop(region, ()):
+            if not self.savers.get((region, c)):
+                self.mem.free(("c", region, c))
+
+    def release(self, v: int) -> None:
+        """v's backward is done: it lets go of the casts it saved."""
+        for region, c in self.held.pop(v, ()):
+            self.savers[region, c].discard(v)
+            if not self.savers[region, c]:
+                self.mem.free(("c", region, c))
+
+
 def _reached(graph: CostGraph) -> set[int]:
     """Nodes whose backward runs: the outputs with a gradient and, backwards, their inputs that
     take one."""
@@ -188,6 +232,7 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
             mem.free((copy, r))
 
     snapshots = _snapshots(graph, schedule)
+    casts = _Casts(graph, mem)
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
             for path, nbytes in snapshots.get(v, ()):  # copies of the buffers a checkpoint starting at v reads
@@ -195,34 +240,30 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
             # the node's transient (its peak beyond what it leaves: out, cached casts, extra saved
             # buffers) is counted on top of all it leaves, with its last allocation; in a recomputed
             # segment its extra buffers are made too, and go when the checkpoint drops them
-            last = "x" if not rec else "c" if graph.cache_bytes else "f"
+            last = "x" if not rec else "c" if graph.cast_bytes else "f"
             transient = graph.transient_bytes[v] + (graph.extra_bytes[v] if rec else 0)
             if graph.held_bytes:  # what its module keeps from its call (a hook's weight) stays to the end
                 mem.hold(("h", v), graph.held_bytes[v])
             mem.alloc(("f", v), graph.out_bytes[v], transient if last == "f" else 0)
-            if graph.cache_bytes:
-                mem.alloc(("c", v), graph.cache_bytes[v], transient if last == "c" else 0)
+            if graph.cast_bytes:
+                casts.run((), v, transient if last == "c" else 0)
             if not rec:
                 mem.alloc(("x", v), graph.extra_bytes[v], transient)
             for r in {graph.root[p] for p in graph.preds[v]}:
                 pending[r].discard(v)
                 maybe_free(r)
             maybe_free(v)
-    if graph.cache_bytes:  # autocast's cache goes when the forward's autocast region exits
+    if graph.cast_bytes:  # autocast's cache goes when the forward's autocast region exits
         # the loss is computed inside that region, beside the cache (a VAE's float32 log-softmax and
         # targets at its forward's end: 1.05x its budget at "min" where the cache had gone first)
         mem.note(graph.loss_forward_bytes)
-        for seg, rec in zip(schedule.segments, schedule.recomputed):
-            for v in seg:
-                mem.free(("c", v))
-                if not rec:  # what a kept node saves of it stays until its backward
-                    mem.alloc(("xc", v), graph.cache_saved_bytes[v])
+        casts.exit((), [v for seg, rec in zip(schedule.segments, schedule.recomputed) if not rec for v in seg])
     grads = _Grads(mem, graph)
     for v in graph.gradient_outputs():
         grads.give(v, graph.grad_bytes[v])
     mem.note(graph.loss_bytes)
     for s in reversed(range(len(schedule.segments))):
-        _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs)
+        _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs)
     return (mem.peak, mem.timeline) if timeline else mem.peak
 
 
@@ -266,7 +307,7 @@ def _held_on(graph: CostGraph, v: int, survives) -> int:
     return sum(graph.out_bytes[o] for o in graph.bwd_freed_inputs[v] if survives(o))
 
 
-def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, held_on: int = 0) -> None:
+def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, casts: _Casts, held_on: int = 0) -> None:
     """Node v's backward: its inputs' gradients appear, its output's gradient goes.
 
     While it runs, v's backward holds its results (its inputs' gradients, new buffers unless it
@@ -303,7 +344,7 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, held_on: i
         sums += grads.shared.summed(v)
     grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
-    mem.free(("xc", v))
+    casts.release(v)
     for _, nbytes in ends:  # the old sum, v's own gradient and the new sum at once
         mem.note(incoming + 3 * nbytes)
     if sums:
@@ -402,8 +443,8 @@ def partitioned_rerun_time(graph: CostGraph, seg) -> int:
     return sum(graph.time[v] for v in needed)
 
 
-def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, depth: int,
-                     parent=None, path: tuple = ()) -> None:
+def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads: _Grads, casts: _Casts,
+                     depth: int, parent=None, path: tuple = ()) -> None:
     """Run the backward of the checkpointed segment ``seg``, recomputed following ``inner``.
 
     As in torch's non-reentrant checkpoint, the recomputation starts only when the backward first
@@ -464,7 +505,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         # made its casts of the weights first, the early stop coming as it saves them: they are
         # held, as a node that ran holds them, until its backward (a 1024x512x3x3 convolution
         # recomputed alone in HRNet: its bf16 weight beside its backward, 1.26x the budget at "min")
-        cast_only = order[k] if graph.cache_bytes and not runs and not inner.recomputed[sub_of[order[k]]] else None
+        cast_only = order[k] if graph.cast_bytes and not runs and not inner.recomputed[sub_of[order[k]]] else None
         if graph.state_bytes:
             mem.alloc(("rs", path), graph.restore_bytes(seg))
         # the nested checkpoints it runs take their copies again (a nested segment runs whole or not at all)
@@ -473,7 +514,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             for where, nbytes in snapshots.get(v, ()):
                 mem.hold(("rsnap", path, where), nbytes)
             kept = not inner.recomputed[sub_of[v]]
-            last = "x" if kept else "c" if graph.cache_bytes else "f"
+            last = "x" if kept else "c" if graph.cast_bytes else "f"
             # on top of all the node leaves, as in the forward: in a nested checkpoint, which drops
             # them, its extra buffers too (a node saving a wide hidden value, run again by the
             # outer recomputation beside the outer segment's incoming gradient: 0.76x measured)
@@ -482,8 +523,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                 # its module's attributes made again (a hook's weight) while it still holds the forward's
                 mem.note(graph.held_bytes[v])
             mem.alloc(key(v), graph.out_bytes[v], transient if last == "f" else 0)
-            if graph.cache_bytes:  # the recomputation runs in an autocast region of its own
-                mem.alloc(("rc", depth, v), graph.cache_bytes[v], transient if last == "c" else 0)
+            if graph.cast_bytes:  # the recomputation runs in an autocast region of its own
+                casts.run(path, v, transient if last == "c" else 0)
             if kept:
                 mem.alloc(("x", v), graph.extra_bytes[v], transient)
             for r in {graph.root[p] for p in graph.preds[v]}:
@@ -492,7 +533,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                     maybe_free(r)
             maybe_free(v)
         if cast_only is not None:
-            mem.alloc(("rc", depth, cast_only), graph.cache_bytes[cast_only])
+            casts.run(path, cast_only)
         for v in ran:  # the early stop: consumers after it never run
             needed[v].clear()
             maybe_free(v)
@@ -500,17 +541,15 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
         for found in snapshots.values():
             for where, _ in found:
                 mem.free(("rsnap", path, where))
-        if graph.cache_bytes:  # its region exits: what a node kept saves of the cache stays
-            for v in ran + [cast_only] * (cast_only is not None):
-                mem.free(("rc", depth, v))
-                if not inner.recomputed[sub_of[v]]:
-                    mem.alloc(("xc", v), graph.cache_saved_bytes[v])
+        if graph.cast_bytes:  # its region exits: what a node kept saves of the cache stays
+            ran_or_cast = ran + [cast_only] * (cast_only is not None)
+            casts.exit(path, [v for v in ran_or_cast if not inner.recomputed[sub_of[v]]])
 
     for i in reversed(range(len(inner.segments))):
         sub = inner.segments[i]
         if inner.recomputed[i]:
             deeper = inner.inner_of(i) or Schedule((sub,), (False,))
-            _backward_nested(graph, sub, deeper, mem, grads, depth + 1, recompute, path + (i,))
+            _backward_nested(graph, sub, deeper, mem, grads, casts, depth + 1, recompute, path + (i,))
             mem.free(("snap", path + (i,)))
             for r in members:
                 if ("segment", i) in holds[r]:
@@ -527,7 +566,7 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                     mem.alloc(("u", v), early)
                 recompute()
                 mem.free(("u", v))
-            _grad_step(graph, v, mem, grads, _held_on(
+            _grad_step(graph, v, mem, grads, casts, _held_on(
                 graph, v, lambda o: o not in members or needed[o] or holds[o] - {("node", v)}))
             for o in graph.saved[v]:
                 if o in members:
@@ -536,16 +575,16 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             _tail(graph, v, mem)
 
 
-def _backward_segment(graph, schedule, s, mem, grads, holds, pending, outputs) -> None:
+def _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs) -> None:
     seg = schedule.segments[s]
     if schedule.recomputed[s]:
         nested = schedule.inner_of(s) or Schedule((seg,), (False,))
-        _backward_nested(graph, seg, nested, mem, grads, 1, path=(s,))
+        _backward_nested(graph, seg, nested, mem, grads, casts, 1, path=(s,))
         mem.free(("snap", (s,)))
         _release_segment(graph, s, holds, pending, outputs, mem)
         return
     for v in reversed(seg):
-        _grad_step(graph, v, mem, grads, _held_on(
+        _grad_step(graph, v, mem, grads, casts, _held_on(
             graph, v, lambda o: pending[o] or o in outputs or holds[o] - {("node", v)}))
         for o in graph.saved[v]:
             holds[o].discard(("node", v))
@@ -569,13 +608,12 @@ def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:
 
     :func:`fxremat.simulate.simulate` records one event per forward allocation (two per node of
     a plain segment: its output and its extra saved buffers; under autocast's cache one more, its
-    cached casts, then one for the loss's forward and one per node of a plain segment where the
-    cache goes at the forward's end: what it saves of them), one per output gradient, then the
-    loss: that event is ``backward_start``.
+    casts, then one for the loss's forward, before the cache goes), one per output gradient, then
+    the loss: that event is ``backward_start``.
     """
     _, events = simulate(graph, schedule, timeline=True)
-    cache = 1 if graph.cache_bytes else 0
-    forward = sum(len(seg) * (1 + cache if rec else 2 + 2 * cache) for seg, rec in zip(schedule.segments, schedule.recomputed))
+    cache = 1 if graph.cast_bytes else 0
+    forward = sum(len(seg) * ((1 if rec else 2) + cache) for seg, rec in zip(schedule.segments, schedule.recomputed))
     forward += cache  # the loss's forward, before the cache goes
     out_grads = len(graph.gradient_outputs())
     return Timeline(tuple(events), forward + out_grads)

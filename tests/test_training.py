@@ -332,6 +332,46 @@ def test_autocast_plain_peak_of_a_weight_read_by_several_calls(net):
     _assert_bf16_plain_peak_predicted(model, model, x)
 
 
+class StemThenLinearCalledThrice(LinearCalledThrice):
+    """A Linear stem before the Linear called three times, so that each call's input takes a
+    gradient and each call saves the cached cast of the shared weight."""
+
+    def __init__(self, d=64):
+        super().__init__(d)
+        self.stem = nn.Linear(d, d)
+
+    def forward(self, x):
+        return super().forward(self.stem(x))
+
+
+def test_autocast_cast_of_a_recomputed_call_is_held_by_a_later_kept_call():
+    """The calls of a shared Linear read one cast of its weight from autocast's cache; after the
+    forward it lives while any kept call that saves it does. The plan held it with the first call
+    alone: where that call was recomputed and a later one kept, the cast was let go at the
+    forward's end, and a recomputation of a later call was not seen to cast again (its checkpoint
+    recomputes in an autocast region of its own): 1.09x the budget at "min" (Hugging Face ALBERT,
+    one layer called 4 times, at 0.5: 1.06x, 1.15x)."""
+    torch.manual_seed(0)
+    plain, model = pair(StemThenLinearCalledThrice())
+    x = torch.randn(32, 64)
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(m(x))
+        loss.backward()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    for m in (plain, compiled):
+        with_grads(m)
+        step(m)
+    assert_same_state(plain, compiled)
+    recomputed = {n: s.recomputed for s in compiled.plan.segments for n in s.nodes}
+    assert recomputed["lin"] and not all(recomputed[n] for n in ("lin_1", "lin_2")), compiled.plan.segments
+    peak = fxremat.measure_peak(step, compiled)[1]
+    assert peak <= 1.05 * compiled.plan.budget_bytes, (peak, compiled.plan.budget_bytes)
+
+
 def test_autocast_loss_inside_the_region_is_computed_beside_the_cache():
     """The usual recipe computes the loss inside the autocast region, so the loss's float32 copy of
     the bf16 output, its log-softmax and its targets are made while autocast's cache still holds

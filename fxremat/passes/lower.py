@@ -67,6 +67,7 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         owners = {index[s] for s in c.saved_inputs if s in index} | ({v} if c.saves_output else set())
         saved.append(tuple(sorted(owners)))
     shared, cast_shared = _shared_params(gm, node_costs)
+    cast_bytes, cast_reads, cast_saves = _casts(node_costs)
     # The loss is the output node the backward starts from: after ``loss += 0.4 * aux_loss`` (in
     # place, as UperNet's) that is the write, not the storage's first node, whose backward alone
     # would leave the auxiliary branch without a gradient (the prediction then missed its
@@ -106,9 +107,9 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         transient_bytes=tuple(c.fwd_transient_bytes for c in node_costs),
         bwd_transient_bytes=tuple(c.bwd_transient_bytes for c in node_costs),
         param_grad_bytes=tuple(c.param_grad_bytes for c in node_costs),
-        cache_bytes=tuple(c.cache_bytes for c in node_costs) if any(c.cache_bytes for c in node_costs) else (),
-        cache_saved_bytes=(tuple(c.cache_saved_bytes for c in node_costs)
-                           if any(c.cache_bytes for c in node_costs) else ()),
+        cast_bytes=cast_bytes,
+        cast_reads=cast_reads,
+        cast_saves=cast_saves,
         bwd_unpack_bytes=(tuple(c.bwd_unpack_bytes for c in node_costs)
                           if any(c.bwd_unpack_bytes for c in node_costs) else ()),
         bwd_released_bytes=(tuple(c.bwd_released_bytes for c in node_costs)
@@ -236,6 +237,24 @@ def _shared_params(gm: fx.GraphModule, node_costs) -> tuple[tuple[tuple[int, tup
             shared.append((cast[name][0] if len(cast.get(name, ())) == len(r)
                            else params[name].numel() * params[name].element_size(), tuple(r)))
     return tuple(shared), tuple(through_cache)
+
+
+def _casts(node_costs) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """Autocast's cached casts of parameters, numbered as first read (``CostGraph.cast_bytes``),
+    and the ones each node reads and saves (``cast_reads``, ``cast_saves``); all empty where there
+    are none."""
+    index: dict[str, int] = {}
+    nbytes: list[int] = []
+    for c in node_costs:
+        for name, size in c.cast_params:
+            if name not in index:
+                index[name] = len(nbytes)
+                nbytes.append(size)
+    if not nbytes:
+        return (), (), ()
+    reads = tuple(tuple(sorted(index[name] for name, _ in c.cast_params)) for c in node_costs)
+    saves = tuple(tuple(sorted(index[name] for name in c.cast_saved)) for c in node_costs)
+    return tuple(nbytes), reads, saves
 
 
 def _written_storages(gm: fx.GraphModule, calls, node_costs, index: dict):

@@ -108,11 +108,9 @@ class NodeCost:
     params: tuple[str, ...] = ()
     saved_count: int = 0  # tensors its forward hands autograd to save (each a pack/unpack in a checkpoint)
     saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
-    cache_bytes: int = 0  # autocast's cached casts of parameters it made (alive until the forward ends)
-    cache_saved_bytes: int = 0  # ... those of them its backward saves (kept until it, where it is not recomputed)
-    # (a cast an earlier call made and this one reads again from the cache counts here once, at
-    # the first call that saves it, and nowhere in extra_bytes)
     cast_params: tuple[tuple[str, int], ...] = ()  # (parameter, bytes of its cast) it read through autocast's cache
+    # (made by this call or, read again from the cache, by an earlier one; the first reader makes it)
+    cast_saved: tuple[str, ...] = ()  # ... the parameters among them whose cast its backward saves (not in extra_bytes)
     bwd_unpack_bytes: int = 0  # what its backward holds when it first unpacks a saved tensor (see _backward_transient)
     bwd_released_bytes: int = 0  # ... the gradient it was handed that it lets go before its peak or that unpack
     held_bytes: int = 0  # tensors its call left on its module as attributes, held there until its next call
@@ -473,7 +471,6 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # autocast's cached casts made so far: storage key -> (parameter name, bytes); a later call
         # of the same module (or another reader of the parameter) reads the cast from the cache
         self.cached_casts: dict[int, tuple[str, int]] = {}
-        self.claimed_casts: set[int] = set()  # ... those a call's cache_saved_bytes already holds
         self.cast_dtypes: dict[str, torch.dtype] = {}  # parameter name -> the dtype of its cached cast
         self.costs: list[NodeCost] = []
         # per call_module node: storage key -> (bytes, saved by its backward) of the tensors its call
@@ -686,7 +683,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # them go when the node's own backward releases what it saved, before its parameters'
         # gradients are cast back to their dtype (ToCopyBackward, a copy of each weight's
         # gradient in the parameter's dtype) and accumulated. The simulator holds them
-        # (``cache_saved_bytes``) until the node's backward is done; counted as held through the
+        # (``CostGraph.cast_saves``) until the node's backward is done; counted as held through the
         # copies, a convolution of 128 channels at 16x16 under bf16 autocast over-predicted the
         # plain peak by its bf16 weight (+7.2%).
         # So are the buffers it saves beyond values (``extra_bytes``: attention probabilities, a
@@ -775,19 +772,18 @@ class _ProfilingInterpreter(_GraphInterpreter):
             else:
                 self.owner[key] = n.name
                 out_bytes += t.untyped_storage().nbytes()
-        saved_inputs, saves_output, extra, cache_saved = set(), False, 0, 0
+        saved_inputs, saves_output, extra, cast_saved = set(), False, 0, set()
         read = dict(casts.values())  # parameter -> bytes of its cast, read through autocast's cache
         for key, nbytes in saved.items():
             who = self.owner.get(key)
             if key in casts or key in self.cached_casts:
                 # A cast in autocast's cache, this call's or an earlier call's of the same weight (a
                 # module called again, which reuses the cast): one storage, held by the cache to
-                # the forward's end and then by the calls that save it, the first of them last in
-                # the backward; counted once, at that call. As extra bytes of each later call it was
-                # one weight per call too many (+86% on the plain peak of a Linear called 3 times).
-                if key not in self.claimed_casts:
-                    self.claimed_casts.add(key)
-                    cache_saved += nbytes
+                # the forward's end and then by the calls that save it; not bytes of its own per
+                # call (as extra bytes of each later call it was one weight per call too many:
+                # +86% on the plain peak of a Linear called 3 times)
+                name, _ = casts[key] if key in casts else self.cached_casts[key]
+                cast_saved.add(name)
                 if key in self.cached_casts:
                     read.setdefault(*self.cached_casts[key])
             elif who is None:
@@ -815,8 +811,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
             params=tuple(sorted(params)),
             fwd_cost=_flop_cost(self.cost_model, flops, moved),
             flops=flops, module=module_of(self.module, n)[0], grad_alias=grad_alias,
-            tensor_output=bool(_tensors(out)), cache_bytes=sum(nbytes for _, nbytes in casts.values()),
-            cache_saved_bytes=cache_saved, cast_params=tuple(sorted(read.items())),
+            tensor_output=bool(_tensors(out)), cast_params=tuple(sorted(read.items())),
+            cast_saved=tuple(sorted(cast_saved)),
         )
 
     def _fetch_args(self, n: fx.Node):
