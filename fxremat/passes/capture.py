@@ -750,13 +750,45 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     # the functions plainly: counted, its plain peak was predicted -43%; the warning says a
     # fraction budget is of the peak without its checkpoints, which is the graph's
     plain = (PlainForward(peak_bytes=0) if checkpoints
-             else _plain_forward(model, gm, args, kwargs, captured.inputs(args, kwargs)))
+             else _plain_forward(model, captured, args, kwargs))
     return dataclasses.replace(captured, plain=plain)
 
 
-def _plain_forward(model: torch.nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, graph_inputs) -> PlainForward:
+def _plain_forward(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict) -> PlainForward:
     """The model's plain forward, called as the user calls it, beside the captured graph's (run
     with ``use_cache=False``, it builds no key/value cache): its peak, and how much more it keeps
-    at its end; both measured."""
-    kept, peak = forward_bytes(model, model, args, kwargs)
-    return PlainForward(peak_bytes=peak, extra_bytes=kept - forward_bytes(model, gm, tuple(graph_inputs), {})[0])
+    at its end; both measured. Where the two compute other values, a warning says so."""
+    outputs: list = []
+    kept, peak = forward_bytes(model, model, args, kwargs, outputs=outputs)
+    graph_kept = forward_bytes(model, captured.graph_module, captured.inputs(args, kwargs), {}, outputs=outputs)[0]
+    differs = _first_difference(outputs[0], captured.output(outputs[1]))
+    if differs is not None:
+        warnings.warn(_other_values_warning(model, *differs), UserWarning, stacklevel=4)
+    return PlainForward(peak_bytes=peak, extra_bytes=kept - graph_kept)
+
+
+def _first_difference(plain, graph) -> tuple[str, float] | None:
+    """``(name, largest difference)`` of the first output tensor of the captured graph not bitwise
+    equal to the plain forward's, matched by field (a ``ModelOutput``, a dict: the plain call may
+    return a cache besides) or by position; ``None`` where all are equal."""
+    if isinstance(plain, dict) and isinstance(graph, dict):
+        pairs = [(repr(k), plain[k], v) for k, v in graph.items() if k in plain]
+    else:
+        pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(tensor_leaves(plain), tensor_leaves(graph)))]
+    for name, a, b in pairs:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and not torch.equal(a, b):
+            return name, (a.double() - b.double()).abs().max().item()
+    return None
+
+
+def _other_values_warning(model: torch.nn.Module, name: str, largest: float) -> str:
+    """The warning for a captured graph whose outputs differ from the plain forward's."""
+    return (f"fxremat: the graph torch.export captured of {type(model).__name__} computes other values than its "
+            f"forward run plainly ({name} differs by up to {largest:.3g}): its code takes another path while it is "
+            f"exported (a branch on torch.compiler.is_exporting(), as transformers' is_torchdynamo_exporting() in "
+            f"the gated delta rule of Qwen3-Next and Qwen3.5, which builds a triangular inverse by forward "
+            f"substitution there). Training runs the captured graph: its outputs and gradients differ from eager's, "
+            f"and its memory is the graph's, which may exceed the plain peak fxremat reports. Make that branch "
+            f"take the plain path while compiling and training (for transformers, set the module's "
+            f"is_torchdynamo_exporting to a function returning False), or compile the submodules that do not "
+            f"branch.")

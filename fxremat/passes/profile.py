@@ -59,7 +59,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..measure import AllocatorPeak, LiveStorageTracker
@@ -1264,16 +1264,20 @@ class PlainForward:
     extra_bytes: int = 0
 
 
-def forward_bytes(model: torch.nn.Module, fn, args: tuple, kwargs: dict, hooks: bool = True) -> tuple[int, int]:
+def forward_bytes(model: torch.nn.Module, fn, args: tuple, kwargs: dict, hooks: bool = True,
+                  outputs: list | None = None) -> tuple[int, int]:
     """``(kept, peak)``: the bytes ``fn(*args, **kwargs)`` (a forward of ``model``) allocates that
     are alive at its end (what it keeps for the backward, and its outputs), and the most alive at
     once. ``model``'s buffers and the RNG states are put back; its user hooks run only with
     ``hooks`` (a traced model is profiled without them; a captured one's forward may need them:
-    Hugging Face records hidden states with forward hooks, and UperNet's decoder read ``None``)."""
+    Hugging Face records hidden states with forward hooks, and UperNet's decoder read ``None``).
+    The output, its tensors detached, is appended to ``outputs`` where given."""
     tracker = LiveStorageTracker()
     with (preserved_state(model), user_hooks_disabled(model) if not hooks else contextlib.nullcontext(),
           torch.enable_grad(), tracker):
         out = fn(*args, **kwargs)
+        if outputs is not None:
+            outputs.append(tree_map_only(torch.Tensor, torch.Tensor.detach, out))
         # autocast's cached casts (a call inside the caller's autocast region) are let go when the
         # region exits, before the backward; counted, the plain peak was predicted +50.8%
         torch.clear_autocast_cache()
