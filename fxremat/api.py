@@ -20,7 +20,9 @@ import os
 import re
 import sys
 import time
+import types
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -938,7 +940,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
         with _training_mode(model):
             traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None,
                              example_inputs=example_inputs)
-        remat = RematModule(model, traced, config, leaf_modules=leaf_modules)
+        remat = _remat_class(type(model))(model, traced, config, leaf_modules=leaf_modules)
         if example_inputs is not None:
             args, kwargs = _example_call(example_inputs)
             if traced is None:
@@ -1687,6 +1689,17 @@ def _warn_unfitted(state: "_State", key: tuple) -> None:
         "on them.", stacklevel=4)
 
 
+class _ModelForward(property):
+    """:attr:`RematModule.forward`, a property; read on the class made for a model class
+    (:func:`_remat_class`), that class's own ``forward``, for libraries that inspect it (Hugging
+    Face's Trainer finds a model's label names in ``inspect.signature(type(model).forward)``)."""
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return owner.__dict__.get("_model_forward", self)
+        return super().__get__(obj, owner)
+
+
 class RematModule(torch.nn.Module):
     """``model`` with recomputation: same parameters, buffers and ``state_dict`` (shared, not
     copied), trained with its activation peak within the budget.
@@ -1844,7 +1857,7 @@ class RematModule(torch.nn.Module):
             _check_compiled_by_hand(state, key, entry[0])
         return entry
 
-    @property
+    @_ModelForward
     def forward(self):
         """In training with gradients enabled, the call of the emitted code (:func:`_training_call`,
         a frame Dynamo leaves to Python); otherwise the model itself. (A property rather than a
@@ -1870,6 +1883,21 @@ class RematModule(torch.nn.Module):
 
     def _plain_forward(self, *args, **kwargs):
         return self._remat.model(*args, **kwargs)
+
+    def _get_name(self) -> str:
+        # the model's class name: libraries read it (Hugging Face's Trainer shifts the labels of a
+        # causal LM's smoothed loss only when the name is one); the repr still says RematModule
+        return self._remat.model._get_name()
+
+    def __repr__(self) -> str:
+        return f"RematModule({super().__repr__()})"
+
+    def __reduce_ex__(self, protocol):
+        # the class is made per model class (:func:`_remat_class`): pickle names it by that class
+        reduced = super().__reduce_ex__(protocol)
+        if type(self).__dict__.get("_model_class") is None:
+            return reduced
+        return (_new_remat, (type(self)._model_class,)) + tuple(reduced[2:])
 
     @_left_to_python
     def _training_call(self, *args, **kwargs):
@@ -2085,3 +2113,45 @@ def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None
         inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
         check_plan(plan, trace(model, leaf_modules=leaf_modules), inputs, origin=f"plan {path}")
     return plan
+
+
+# The RematModule class made for each model class (:func:`_remat_class`).
+_REMAT_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SIGNED_CALLS = ("_training_call", "_plain_forward", "_transformed_call")  # what RematModule.forward returns
+
+
+def _remat_class(model_class: type) -> type:
+    """:class:`RematModule` for models of ``model_class``: a subclass whose ``forward``, read on
+    the class or on an instance, has ``model_class.forward``'s parameters, as libraries read them.
+    Hugging Face's Trainer finds the label names in ``type(model).forward`` (a plain RematModule's
+    ``forward`` property failed its construction) and drops the dataset columns that
+    ``model.forward`` does not name (``(*args, **kwargs)`` dropped every input)."""
+    cls = _REMAT_CLASSES.get(model_class)
+    if cls is not None:
+        return cls
+    try:
+        signature = inspect.signature(model_class.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read: libraries cannot read it either
+        return RematModule
+    namespace = {"_model_class": model_class, "_model_forward": model_class.forward,
+                 "__module__": RematModule.__module__, "__doc__": RematModule.__doc__}
+    for name in _SIGNED_CALLS:
+        namespace[name] = _signed(getattr(RematModule, name), signature)
+    cls = _REMAT_CLASSES[model_class] = type(f"RematModule[{model_class.__name__}]", (RematModule,), namespace)
+    return cls
+
+
+def _signed(fn, signature: inspect.Signature):
+    """A copy of the function ``fn`` (its code, so Dynamo's marks on it hold) that ``inspect``
+    reports with ``signature``."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__dict__.update(fn.__dict__)
+    copy.__kwdefaults__, copy.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+    copy.__signature__ = signature
+    return copy
+
+
+def _new_remat(model_class: type) -> "RematModule":
+    """An empty RematModule of ``model_class``'s class, for pickle to fill (:meth:`RematModule.__reduce_ex__`)."""
+    cls = _remat_class(model_class)
+    return cls.__new__(cls)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import logging
+import pickle
 import warnings
 
 import pytest
@@ -78,6 +80,19 @@ def test_attributes_and_methods_reach_the_original_model():
     with pytest.raises(AttributeError, match="no_such_thing"):
         remat.no_such_thing
     assert not hasattr(remat, "no_such_thing")
+
+
+def test_libraries_inspecting_the_forward_and_the_class_see_the_models():
+    # Hugging Face's Trainer keeps the dataset columns model.forward names (it saw (*args, **kwargs)
+    # and dropped every input), finds labels in type(model).forward (a property: TypeError), and
+    # shifts a causal LM's smoothed labels by model._get_name() (it saw "RematModule")
+    model = _net()
+    remat = fxremat.compile(model, 0.5, example_inputs=(X,), cost_model="flops")
+    assert inspect.signature(remat.forward) == inspect.signature(model.forward)
+    assert inspect.signature(type(remat).forward) == inspect.signature(Net.forward)
+    assert remat._get_name() == "Net" and repr(remat).startswith("RematModule(Net(")
+    copied = pickle.loads(pickle.dumps(remat))
+    assert type(copied) is type(remat) and copied._remat.model is not model
 
 
 def test_setting_an_attribute_sets_it_on_the_model_and_replans():

@@ -109,10 +109,15 @@ class Captured:
 
 
 def _added_kwargs(model: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
-    """Keywords the capture sets that the call left out: ``use_cache=False`` in training."""
+    """Keywords the capture sets that the call left out: ``use_cache=False`` in training, where
+    ``forward`` names ``use_cache``, or takes ``**kwargs`` on a model whose ``config`` has one (a
+    wrapper passing them down: PEFT's ``PeftModel``, whose capture failed on the cache returned)."""
     params = inspect.signature(model.forward).parameters
-    if "use_cache" not in params or "use_cache" in kwargs:
+    if "use_cache" in kwargs:
         return {}
+    if "use_cache" not in params:
+        passes_down = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return {"use_cache": False} if passes_down and hasattr(getattr(model, "config", None), "use_cache") else {}
     names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if "use_cache" in names[:len(args)]:
         return {}
