@@ -224,11 +224,13 @@ class _KusumotoDP(_Source):
             self.weightings[True] = (grid, kusumoto.build_tables(grid, family, early_stop=True))
         self.seconds += time.perf_counter() - start
 
-    def _solve(self, budget=None, objective="time", early_stop=False):
-        """Return ``(dp_solution, simulated candidate)``, both ``None`` when infeasible."""
+    def _solve(self, budget=None, objective="time", early_stop=False, bound=None):
+        """Return ``(dp_solution, simulated candidate)``, both ``None`` when infeasible.
+        ``bound`` (whole segments, time objective): the DP time of a chain known to fit
+        ``budget`` (one solved at a smaller budget), which bounds the answer's
+        (:func:`fxremat.solvers.kusumoto.solve`'s ``time_bound``)."""
         start = time.perf_counter()
         graph, tables = self.weightings[early_stop]
-        bound = None
         if early_stop and objective == "time":
             # the whole-segment chain fits the same DP budget: its time under the early stop
             # bounds the answer's, which keeps the fronts short (kusumoto.solve)
@@ -244,10 +246,13 @@ class _KusumotoDP(_Source):
         return sol, _candidate(self.graph, Schedule.from_lower_sets(sol.lower_sets))
 
     def least(self) -> _Candidate:
-        """The memory-centric plan, or a time-centric one near it that simulates lower."""
+        """The memory-centric plan, or a time-centric one near it that simulates lower. The
+        ladder's budgets rise, so each solution fits the next budget and bounds its time."""
         sol, best = self._solve(objective="memory")
+        bound = sol.time
         for factor in _MIN_LADDER:
-            _, cand = self._solve(int(sol.peak_bytes * factor))
+            found, cand = self._solve(int(sol.peak_bytes * factor), bound=bound)
+            bound = found.time
             if cand is not None and (cand.peak_bytes, cand.recompute_time) < (best.peak_bytes, best.recompute_time):
                 best = cand
         if self.early_stop:  # the same least DP peak, its chain picked by time as torch runs it
@@ -264,12 +269,15 @@ class _KusumotoDP(_Source):
         plain_sol, _ = self._solve()
         for early_stop in self.weightings:
             lo, hi = budget, max(budget, plain_sol.peak_bytes)
-            found = [self._solve(lo, early_stop=early_stop)[1]]
+            first, cand = self._solve(lo, early_stop=early_stop)
+            found = [cand]
+            # every budget tried is at least lo: the chain solved there fits it and bounds its time
+            bound = None if early_stop or first is None else first.time
             for _ in range(_BISECT_STEPS):
                 if hi - lo <= max(1, budget // 256):
                     break
                 mid = (lo + hi) // 2
-                _, cand = self._solve(mid, early_stop=early_stop)
+                _, cand = self._solve(mid, early_stop=early_stop, bound=bound)
                 found.append(cand)
                 if cand is not None and cand.peak_bytes <= budget:
                     lo = mid
