@@ -220,31 +220,9 @@ def _holders(graph: CostGraph, schedule: Schedule):
     return seg_of, uses, holds
 
 
-def _dropped(graph: CostGraph) -> dict[int, list[int]]:
-    """Nodes whose results the forward drops (a pooling head computed and not used): no path to an
-    output, and none of them or their consumers writes into a value that has one. Once the last of
-    their consumers has run, nothing refers to their autograd nodes, so what they save goes (the
-    emitted graph lets their values go at once; eager when its forward returns). ``{last consumer:
-    [dropped nodes]}``."""
-    reaches = [False] * graph.n
-    kept = [False] * graph.n
-    last = list(range(graph.n))
-    for v in reversed(range(graph.n)):
-        reaches[v] = graph.is_output[v] or any(reaches[s] for s in graph.succs[v])
-    for v in reversed(range(graph.n)):
-        kept[v] = reaches[v] or reaches[graph.root[v]] or any(kept[s] for s in graph.succs[v])
-        last[v] = max([v, *(last[s] for s in graph.succs[v])])
-    dropped: dict[int, list[int]] = {}
-    for v in range(graph.n):
-        if not kept[v]:
-            dropped.setdefault(last[v], []).append(v)
-    return dropped
-
-
 def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     """Return the predicted peak bytes (and the memory timeline if ``timeline``)."""
     seg_of, uses, holds = _holders(graph, schedule)
-    dropped = _dropped(graph)
     mem = _Memory()
     pending = {v: set(u) for v, u in uses.items()}
     outputs = {graph.root[v] for v in range(graph.n) if graph.is_output[v]}
@@ -255,6 +233,8 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
 
     snapshots = _snapshots(graph, schedule)
     casts = _Casts(graph, mem)
+    dropped = graph.dropped_after
+    gone = set()
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
             for path, nbytes in snapshots.get(v, ()):  # copies of the buffers a checkpoint starting at v reads
@@ -275,17 +255,19 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
                 pending[r].discard(v)
                 maybe_free(r)
             maybe_free(v)
-            for d in dropped.get(v, ()):
-                if not schedule.recomputed[seg_of[d]]:
-                    mem.free(("x", d))
-                    for o in graph.saved[d]:
-                        holds[o].discard(("node", d))
-                        maybe_free(o)
+            for d in dropped.get(v, ()):  # what no output descends from goes with its autograd record
+                gone.add(d)
+                mem.free(("x", d))
+                for o in graph.saved[d]:
+                    holds[o].discard(("node", d))
+                    maybe_free(o)
     if graph.cast_bytes:  # autocast's cache goes when the forward's autocast region exits
         # the loss is computed inside that region, beside the cache (a VAE's float32 log-softmax and
         # targets at its forward's end: 1.05x its budget at "min" where the cache had gone first)
         mem.note(graph.loss_forward_bytes)
-        casts.exit((), [v for seg, rec in zip(schedule.segments, schedule.recomputed) if not rec for v in seg])
+        # (a node gone with its autograd record saves nothing)
+        casts.exit((), [v for seg, rec in zip(schedule.segments, schedule.recomputed) if not rec for v in seg
+                        if v not in gone])
     grads = _Grads(mem, graph)
     for v in graph.gradient_outputs():
         grads.give(v, graph.grad_bytes[v])

@@ -212,6 +212,35 @@ def test_identity_shortcut_passes_its_gradient_through():
     assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
 
 
+class DropsABranch(nn.Module):
+    """Computes a branch and drops it, as smp's EfficientNet encoder runs one stage more than
+    PSPNet reads (a graph keeps the call: it runs in eager too)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.dropped, self.head = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, 4)
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        torch.tanh(self.dropped(h))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_what_a_dropped_branch_saves_goes_in_the_forward():
+    """No output descends from the dropped tanh: its autograd record, and the output it saved, go
+    as soon as the call returns, not at its turn in the backward (held there, the plain peak was
+    predicted +16%; PSPNet with an EfficientNet encoder +7.4%)."""
+    torch.manual_seed(0)
+    model, x = DropsABranch(), torch.randn(64, 32)
+    predicted = fxremat.plan(model, 1.0, example_inputs=(x,), cost_model="flops").baseline_peak_bytes
+    with_grads(model)
+    measured = fxremat.measure_peak(train_step, model, x)[1]
+    assert abs(predicted - measured) <= 0.01 * measured, f"predicted {predicted} vs measured {measured}"
+
+
 WORKSPACE = 2**30
 
 

@@ -671,7 +671,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
             if not head:
                 # what it saved and still holds here (the hook's weight, alive in `hooked`, is the
                 # module's: ``held_bytes``) is not the tail's
-                head.append((tracker.peak_bytes, tracker.own_peak, tracker.alive_bytes_of(saved_keys)))
+                head.append((tracker.peak_bytes, tracker.own_peak, tracker.alive_bytes_of(saved_keys),
+                             tracker.alive_at_peak))
                 tracker.peak_bytes = tracker.live_bytes
 
         for weight in hooked:
@@ -719,7 +720,11 @@ class _ProfilingInterpreter(_GraphInterpreter):
             live, own = at_unpack[0]
             unpack = max(0, live - incoming - held)
             released = max(released, own - held - unpack)
-        freed = tuple(sorted({owner for key, owner in saved_copies.items() if key not in tracker.alive_at_peak}))
+        # (with a tail, at the head's peak, which the transient is: the tail's comes after the node's
+        # own op let go of its saved inputs, and counting them freed there added one back beside
+        # the head: a hook-based weight_norm MLP's plain peak +9.8%)
+        alive_at_peak = head[0][3] if head else tracker.alive_at_peak
+        freed = tuple(sorted({owner for key, owner in saved_copies.items() if key not in alive_at_peak}))
         return transient, unpack, released, tail, freed
 
     def _param_stand_in(self, p: torch.Tensor, stand_ins: dict, reused) -> torch.Tensor:
