@@ -446,3 +446,35 @@ def test_calibration_runs_only_where_a_plan_may_recompute(monkeypatch):
     calls.clear()
     fxremat.api.cost_graph(_TanhStack(), example_inputs=(x,))
     assert len(calls) == 1
+
+
+def test_min_is_the_least_peak_after_merging(monkeypatch):
+    """``"min"`` merges every source's least plan, not only the ones already at the least peak:
+    a split plan whose merge lowers its peak below another source's least is the answer, and a
+    budget of that peak is feasible."""
+    from fxremat import planner
+    from fxremat.planner import _candidate, _fewer_checkpoints
+
+    fixture = load_graph(os.path.join(FIXTURES, "resnet50.json"))
+    split = choose(fixture, parse_budget("min"), strategy="exact").schedule
+    graph = dataclasses.replace(fixture, checkpoint_time=1, cost_unit="ms", step_cost=1)  # on a clock, no slack
+    merges = _candidate(graph, split)  # one merge lowers its peak, saving a unit of time
+    merged = _fewer_checkpoints(graph, merges, merges.peak_bytes)
+    seg = merged.schedule.segments[6]  # split again where merging it back costs time
+    stays = _candidate(graph, Schedule(merged.schedule.segments[:6] + (seg[:28], seg[28:]) + merged.schedule.segments[7:],
+                                       merged.schedule.recomputed[:6] + (True, True) + merged.schedule.recomputed[7:]))
+    assert _fewer_checkpoints(graph, stays, stays.peak_bytes).peak_bytes == stays.peak_bytes
+    assert merged.peak_bytes < stays.peak_bytes < merges.peak_bytes
+
+    class Given(planner._Enumerated):
+        def __init__(self, cand):
+            self.graph, self.cand = graph, cand
+
+        def candidates(self):
+            return [self.cand]
+
+    monkeypatch.setattr(planner, "_sources", lambda *a: ({"split": Given(merges), "stays": Given(stays)}, 0, ()))
+    got = choose(graph, parse_budget("min"))
+    assert (got.strategy, got.peak_bytes) == ("split", merged.peak_bytes)
+    # a budget of that peak is feasible too (it was below the least before merging)
+    assert choose(graph, parse_budget(f"{merged.peak_bytes} B")).peak_bytes == merged.peak_bytes
