@@ -348,7 +348,8 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, casts: _Ca
     ends = grads.shared.cast_ends(v) if v in grads.of else []
     for i, _ in ends:
         mem.free(("p", i))
-    mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
+    if v in grads.of:  # a node no gradient reaches runs no backward (a dropped branch's split)
+        mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
     sums = [graph.grad_bytes[p] for p in again]
     if v in grads.of:
         sums += grads.shared.summed(v)

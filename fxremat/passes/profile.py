@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import operator
 import statistics
 import time
 import warnings
@@ -66,7 +67,7 @@ from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from ..runtime import module_generators, put_back
 from .state import StateWrites
-from .trace import CALL_OPS, is_torch_hook, module_of, written_inputs
+from .trace import CALL_OPS, is_torch_hook, module_of, unpacked, written_inputs
 
 __all__ = ["NodeCost", "GraphCosts", "PlainForward", "profile", "forward_bytes", "user_hooks_disabled",
            "COST_MODELS"]
@@ -140,6 +141,46 @@ def _storage_key(t: torch.Tensor):
 
 def _tensors(value) -> list[torch.Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _unread_outputs(n: fx.Node, out) -> set[int]:
+    """Storage keys of the tensors in ``n``'s tuple output that no node reads (every user takes an
+    element by index, or unpacks it: :func:`_items_read`). One its backward saves is a buffer
+    beyond its values, held to its backward alone, as pooling indices are: ``values, _ =
+    x.max(dim)``'s indices, where its values are read and let go (as part of the value the node's
+    output was, it was held while the indices were: +3.0% on the plain peak of Hugging Face
+    Hiera's pooling)."""
+    return {_storage_key(t) for t in _tensors(out)} - {_storage_key(t) for t in _read_tensors(n, out)} - {None}
+
+
+def _read_tensors(n: fx.Node, out) -> list[torch.Tensor]:
+    """The tensors of ``n``'s output that some node reads, the ones a gradient reaches in the step
+    (an item dropped, as ``y, _ = mha(x, x, x)`` drops the attention weights, gets none: seeded,
+    its backward path counted, nn.MultiheadAttention's plain peak was predicted +16.6%)."""
+    read = _items_read(n) if isinstance(out, (tuple, list)) and out else None
+    if read is None:
+        return _tensors(out)
+    read = {i % len(out) for i in read if -len(out) <= i < len(out)}  # (``n[-1]``)
+    return _tensors([t for i, t in enumerate(out) if i in read])
+
+
+def _items_read(n: fx.Node) -> set[int] | None:
+    """The indices of the items of ``n``'s tuple that some node reads: ``n[i]`` read, or unpacked
+    (``a, b = n``, :func:`~fxremat.passes.trace.unpacked`) and read; ``None`` where a node takes
+    the whole tuple."""
+    read = set()
+    for u in n.users:
+        if u.op == "call_function" and u.target is unpacked:
+            items = _items_read(u)
+            if items is None:
+                return None
+            read |= items
+        elif u.op == "call_function" and u.target is operator.getitem and isinstance(u.args[1], int):
+            if u.users:
+                read.add(u.args[1])
+        else:
+            return None
+    return read
 
 
 class _SeededOps(TorchDispatchMode):
@@ -655,7 +696,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
             else:
                 out = getattr(self, n.op)(n.target, args, kwargs)
         del args, kwargs  # the copies of the inputs are autograd's alone now
-        outs = [t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None]
+        outs = [t for t in _read_tensors(n, out) if t.requires_grad and t.grad_fn is not None]
         permuted = _permuted_reader(n)
         if permuted is not None and len(outs) == 1 and outs[0] is out:
             # read only through a transpose: its gradient arrives transposed, not contiguous, and a
@@ -767,6 +808,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         """``casts``: autocast's cached casts the call made, storage key -> (parameter name, bytes)."""
         casts = {k: c for k, c in (casts or {}).items()  # an explicit cast (a captured graph's) is a value
                  if k not in {_storage_key(t) for t in _tensors(out)}}
+        unread = _unread_outputs(n, out)
         out_bytes, root = 0, n.name
         for t in _tensors(out):
             key = _storage_key(t)
@@ -776,7 +818,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 root = self.owner[key] or root
             else:
                 self.owner[key] = n.name
-                out_bytes += t.untyped_storage().nbytes()
+                if not (key in unread and key in saved):  # (one its backward saves is an extra buffer)
+                    out_bytes += t.untyped_storage().nbytes()
         saved_inputs, saves_output, extra, cast_saved = set(), False, 0, set()
         read = dict(casts.values())  # parameter -> bytes of its cast, read through autocast's cache
         for key, nbytes in saved.items():
@@ -791,7 +834,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 cast_saved.add(name)
                 if key in self.cached_casts:
                     read.setdefault(*self.cached_casts[key])
-            elif who is None:
+            elif who is None or key in unread:
                 extra += nbytes
             elif who == n.name:
                 saves_output = True
@@ -811,7 +854,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         return NodeCost(
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
             saves_output=saves_output, extra_bytes=extra, fwd_transient_bytes=transient,
-            grad_bytes=sum(t.numel() * t.element_size() for t in _tensors(out) if t.requires_grad),
+            grad_bytes=sum(t.numel() * t.element_size() for t in _read_tensors(n, out) if t.requires_grad),
             param_grad_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             params=tuple(sorted(params)),
             fwd_cost=_flop_cost(self.cost_model, flops, moved),
