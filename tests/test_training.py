@@ -344,23 +344,26 @@ class StemThenLinearCalledThrice(LinearCalledThrice):
         return super().forward(self.stem(x))
 
 
-def _bf16_step_at_min_is_exact_and_within_budget(plain, model, x):
-    """Compile ``model`` at "min" under bf16 autocast; a step (the loss inside the region) equals
-    ``plain``'s and its measured peak is within 1.05x the budget. Returns the compiled module."""
+def _bf16_step_at_min_is_exact_and_within_budget(plain, model, x, *, loss=loss_of, **options):
+    """Compile ``model`` at "min" under bf16 autocast (``x`` a tensor or a tuple of inputs); a step
+    (``loss`` of the output, inside the region) equals ``plain``'s and its measured peak is within
+    1.05x the budget. Returns the compiled module and that peak."""
+    inputs = x if isinstance(x, tuple) else (x,)
+
     def step(m):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of(m(x))
-        loss.backward()
+            value = loss(m(*inputs))
+        value.backward()
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+        compiled = fxremat.compile(model, "min", example_inputs=inputs, cost_model="flops", **options)
     for m in (plain, compiled):
         with_grads(m)
         step(m)
     assert_same_state(plain, compiled)
     peak = fxremat.measure_peak(step, compiled)[1]
     assert peak <= 1.05 * compiled.plan.budget_bytes, (peak, compiled.plan.budget_bytes)
-    return compiled
+    return compiled, peak
 
 
 def test_autocast_cast_of_a_recomputed_call_is_held_by_a_later_kept_call():
@@ -373,7 +376,7 @@ def test_autocast_cast_of_a_recomputed_call_is_held_by_a_later_kept_call():
     torch.manual_seed(0)
     plain, model = pair(StemThenLinearCalledThrice())
     x = torch.randn(32, 64)
-    compiled = _bf16_step_at_min_is_exact_and_within_budget(plain, model, x)
+    compiled, _ = _bf16_step_at_min_is_exact_and_within_budget(plain, model, x)
     recomputed = {n: s.recomputed for s in compiled.plan.segments for n in s.nodes}
     assert recomputed["lin"] and not all(recomputed[n] for n in ("lin_1", "lin_2")), compiled.plan.segments
 
@@ -463,20 +466,8 @@ def test_autocast_recomputed_loss_holds_what_it_saves_during_its_call(strategy):
     torch.manual_seed(0)
     plain, model = pair(LossThenMore())
     x, labels = torch.randn(2, 16, 128), torch.randint(0, 2048, (2, 16))
-
-    def step(m):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = m(x, labels)[0]
-        loss.backward()
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled = fxremat.compile(model, "min", example_inputs=(x, labels), cost_model="flops", strategy=strategy)
-    for m in (plain, compiled):
-        with_grads(m)
-        step(m)
-    assert_same_state(plain, compiled)
-    peak = fxremat.measure_peak(step, compiled)[1]
-    assert peak <= 1.05 * compiled.plan.budget_bytes, (peak, compiled.plan.budget_bytes)
+    compiled, peak = _bf16_step_at_min_is_exact_and_within_budget(
+        plain, model, (x, labels), loss=lambda out: out[0], strategy=strategy)
     assert peak <= 1.001 * compiled.plan.predicted_peak_bytes, (peak, compiled.plan.predicted_peak_bytes)
 
 
