@@ -68,8 +68,9 @@ class CostGraph:
     differentiable output when the model returns its loss (Hugging Face models given
     ``labels=``), from which alone the backward starts (``loss_bytes`` is then 0), else ``None``.
 
-    ``cast_bytes[c]`` (empty: none anywhere): the bytes of autocast's cached cast c of a parameter
-    (a bf16 copy of a weight), one per parameter read through the cache; ``cast_reads[v]`` the
+    ``cast_bytes[c]`` (empty: none anywhere): the bytes of autocast's cached cast c of a leaf that
+    requires grad (a bf16 copy of a weight, or of an input that requires grad), one per leaf read
+    through the cache; ``cast_reads[v]`` the
     casts v reads, ``cast_saves[v]`` those of them v's backward saves (not in ``extra_bytes``). In
     each autocast region, the forward's and each recomputation's, the first node that reads a
     cast makes it, and the cache holds it until the region exits, whether its readers are

@@ -118,15 +118,15 @@ class _SharedParams:
 
 
 class _Casts:
-    """Autocast's cached casts of parameters (``graph.cast_bytes``). Each autocast region, the
-    forward's and each recomputation's (a checkpoint recomputes in a region of its own, which
-    casts again: the forward's cache is gone by then), makes a cast at the first of its nodes that
-    reads it; the cache holds it until the region exits, then the region's kept nodes whose
-    backwards save it hold it until the last of those backwards. A weight read by several calls
-    (a shared layer) has one cast in a region, held while any of its kept savers lives: counted at
-    its first saver alone, it went where that call was recomputed while later calls kept it (Hugging
-    Face ALBERT under bf16, its one layer called 4 times: 1.06x the budget at 0.5), and a
-    recomputation of a later call alone was not seen to cast."""
+    """Autocast's cached casts of parameters and of inputs that require grad (``graph.cast_bytes``).
+    Each autocast region, the forward's and each recomputation's (a checkpoint recomputes in a
+    region of its own, which casts again: the forward's cache is gone by then), makes a cast at the
+    first of its nodes that reads it; the cache holds it until the region exits, then the region's
+    kept nodes whose backwards save it hold it until the last of those backwards. A weight read by
+    several calls (a shared layer) has one cast in a region, held while any of its kept savers
+    lives: counted at its first saver alone, it went where that call was recomputed while later
+    calls kept it (Hugging Face ALBERT under bf16, its one layer called 4 times: 1.06x the budget at
+    0.5), and a recomputation of a later call alone was not seen to cast."""
 
     def __init__(self, graph: CostGraph, mem: _Memory):
         self.graph, self.mem = graph, mem
@@ -344,8 +344,12 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, casts: _Ca
                 grads.give(p, graph.grad_bytes[p], share)
     incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
     # a shared cast whose gradient v completes: the sum so far is let go when v's own has been added
-    # to it, after v's op (whose transient, measured alone, holds the copy of that new sum)
+    # to it, after v's op (whose transient, measured alone, holds the copy of that new sum); v's op
+    # makes its own gradients of the casts it read beside it (a Linear called thrice, its first call
+    # recomputed: 1.06x the budget at "min" where the sum was let go first)
     ends = grads.shared.cast_ends(v) if v in grads.of else []
+    if ends:
+        mem.note(incoming + sum(graph.cast_bytes[c] for c in graph.cast_reads[v]))
     for i, _ in ends:
         mem.free(("p", i))
     if v in grads.of:  # a node no gradient reaches runs no backward (a dropped branch's split)

@@ -109,9 +109,10 @@ class NodeCost:
     params: tuple[str, ...] = ()
     saved_count: int = 0  # tensors its forward hands autograd to save (each a pack/unpack in a checkpoint)
     saved_bytes: int = 0  # ... their bytes, parameters and buffers left out (what a recomputation makes again)
-    cast_params: tuple[tuple[str, int], ...] = ()  # (parameter, bytes of its cast) it read through autocast's cache
-    # (made by this call or, read again from the cache, by an earlier one; the first reader makes it)
-    cast_saved: tuple[str, ...] = ()  # ... the parameters among them whose cast its backward saves (not in extra_bytes)
+    cast_params: tuple[tuple[str, int], ...] = ()  # (leaf, bytes of its cast) it read through autocast's cache: a
+    # parameter by its name or an input that requires grad by its placeholder's (made by this call or, read again from
+    # the cache, by an earlier one; the first reader makes it)
+    cast_saved: tuple[str, ...] = ()  # ... the leaves among them whose cast its backward saves (not in extra_bytes)
     bwd_unpack_bytes: int = 0  # what its backward holds when it first unpacks a saved tensor (see _backward_transient)
     bwd_released_bytes: int = 0  # ... the gradient it was handed that it lets go before its peak or that unpack
     held_bytes: int = 0  # tensors its call left on its module as attributes, held there until its next call
@@ -235,17 +236,19 @@ class _SavedRecorder:
 
 
 class _AutocastCasts(TorchDispatchMode):
-    """The casts of parameters that autocast keeps in its cache (``aten._to_copy`` of a parameter
-    that requires grad, to another dtype, while autocast runs with its cache on): they stay alive
-    until the autocast region exits, however soon their readers are done, so a recomputed segment
-    does not let them go (1.49x the budget at "min" on a net with large weights under bf16
-    autocast where they were counted as freed). Storage key -> bytes, per node."""
+    """The casts that autocast keeps in its cache (``aten._to_copy`` from float32 to another dtype,
+    while autocast runs with its cache on, of a leaf that requires grad, not a view: a parameter, or
+    an input that requires grad, ``leaf_keys``): they stay alive until the autocast region exits,
+    however soon their readers are done, so a recomputed segment does not let them go (1.49x the
+    budget at "min" on a net with large weights under bf16 autocast where they were counted as
+    freed; 1.17x on a Linear whose input requires grad, where only parameters' casts were).
+    Storage key -> bytes, per node."""
 
-    def __init__(self, param_keys):
+    def __init__(self, leaf_keys):
         super().__init__()
-        self.param_keys = param_keys
+        self.leaf_keys = leaf_keys
         self.made: dict = {}
-        self.param_of: dict = {}  # cast's storage key -> its parameter's
+        self.leaf_of: dict = {}  # cast's storage key -> its leaf's
         self.dtype_of: dict = {}  # cast's storage key -> its dtype
         self.storages: list[weakref.ref] = []  # weak references to the casts' storages
         # (read here: inside a dispatch mode autocast reads as off)
@@ -255,10 +258,11 @@ class _AutocastCasts(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if (self.caching and func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
-                and args[0].requires_grad and _storage_key(args[0]) in self.param_keys
-                and out.dtype != args[0].dtype):
+                and args[0].requires_grad and args[0].is_leaf and not args[0]._is_view()
+                and _storage_key(args[0]) in self.leaf_keys
+                and args[0].dtype == torch.float32 and out.dtype != torch.float32):
             self.made[_storage_key(out)] = out.untyped_storage().nbytes()
-            self.param_of[_storage_key(out)] = _storage_key(args[0])
+            self.leaf_of[_storage_key(out)] = _storage_key(args[0])
             self.dtype_of[_storage_key(out)] = out.dtype
             self.storages.append(weakref.ref(out.untyped_storage()))
         return out
@@ -504,15 +508,18 @@ class _ProfilingInterpreter(_GraphInterpreter):
         self.owner: dict[int, str] = {}  # storage key -> producing node name ("" = external)
         self.param_keys = {_storage_key(p): p.numel() * p.element_size() for p in gm.parameters()}
         self.param_names = {_storage_key(p): name for name, p in gm.named_parameters()}
+        # the leaves whose casts autocast caches, by name: the parameters, and the inputs that require
+        # grad (added as the placeholders run)
+        self.leaf_names = dict(self.param_names)
         for b in gm.buffers():
             self.owner[_storage_key(b)] = ""
         for k in self.param_keys:
             self.owner[k] = ""
         self.stored_keys = frozenset(self.owner)  # parameters and buffers
-        # autocast's cached casts made so far: storage key -> (parameter name, bytes); a later call
-        # of the same module (or another reader of the parameter) reads the cast from the cache
+        # autocast's cached casts made so far: storage key -> (leaf name, bytes); a later call of the
+        # same module (or another reader of the leaf) reads the cast from the cache
         self.cached_casts: dict[int, tuple[str, int]] = {}
-        self.cast_dtypes: dict[str, torch.dtype] = {}  # parameter name -> the dtype of its cached cast
+        self.cast_dtypes: dict[str, torch.dtype] = {}  # leaf name -> the dtype of its cached cast
         self.costs: list[NodeCost] = []
         # per call_module node: storage key -> (bytes, saved by its backward) of the tensors its call
         # left on its module as attributes (:func:`_attribute_tensors`; see :meth:`settled_costs`)
@@ -532,6 +539,10 @@ class _ProfilingInterpreter(_GraphInterpreter):
             out = super().run_node(n)
             for t in _tensors(out):
                 self.owner.setdefault(_storage_key(t), "")
+            if n.op == "placeholder":
+                leaves = [t for t in _tensors(out) if t.requires_grad and t.is_leaf and not t._is_view()]
+                for i, t in enumerate(leaves):
+                    self.leaf_names.setdefault(_storage_key(t), n.name if len(leaves) == 1 else f"{n.name}[{i}]")
             return out
         versions = {name: b._version for name, b in self.buffers}
         attributes = _attribute_tensors(self.module.get_submodule(n.target)) if n.op == "call_module" else {}
@@ -547,7 +558,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         self.tracker.peak_bytes = live_before
         self.buffer_writes.clear()
         allocator = AllocatorPeak(self.allocator_device)
-        casts = _AutocastCasts(self.param_keys)
+        casts = _AutocastCasts(self.leaf_names)
         # buffer_writes below the tracker: the copies it compares values with are not counted.
         with self.buffer_writes, seeded, self.tracker, allocator, torch.autograd.graph.saved_tensors_hooks(
             recorder.pack, recorder.unpack
@@ -559,11 +570,11 @@ class _ProfilingInterpreter(_GraphInterpreter):
                     or (rng_before is not None and not _same_states(rng_before, _rng_states())))
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
-        made = {key: (self.param_names[casts.param_of[key]], nbytes) for key, nbytes in casts.made.items()}
+        made = {key: (self.leaf_names[casts.leaf_of[key]], nbytes) for key, nbytes in casts.made.items()}
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         self.cached_casts.update(made)
-        self.cast_dtypes.update({self.param_names[casts.param_of[key]]: dtype for key, dtype in casts.dtype_of.items()})
+        self.cast_dtypes.update({self.leaf_names[casts.leaf_of[key]]: dtype for key, dtype in casts.dtype_of.items()})
         # the casts it read from the cache, made by an earlier call: its backward hands them their gradient
         reused = {name for name, _ in cost.cast_params} - {name for name, _ in made.values()}
         if n.op == "call_module":  # (after _node_cost, which makes the outputs' storages the node's)
@@ -682,7 +693,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
                 at_unpack.append((tracker.live_bytes, tracker.live_bytes - tracker.handed_bytes()))
             return t
 
-        casts = _AutocastCasts(self.param_keys)
+        casts = _AutocastCasts(self.leaf_names)
         hooked = []  # the weights a forward pre-hook made from the stand-ins
         saved: list[weakref.ref] = []  # the storages its forward hands autograd to save
         with (torch.autograd.graph.saved_tensors_hooks(_noting_storages(saved), unpack), casts,
@@ -845,11 +856,11 @@ class _ProfilingInterpreter(_GraphInterpreter):
         if self.cached_casts:  # casts it reads from the cache but does not save (its input takes no gradient)
             cast_bytes = dict(self.cached_casts.values())
             for p in _cast_reads(out, before, self.sequence_start):
-                name = self.param_names.get(_storage_key(p))
+                name = self.leaf_names.get(_storage_key(p))
                 if name in cast_bytes:
                     read.setdefault(name, cast_bytes[name])
-        for name in read:  # a cast made before the call is not among the autograd nodes it made
-            params.setdefault(name, self.module.get_parameter(name))
+        for name in read.keys() & self.param_names.values():  # a cast made before the call is not among
+            params.setdefault(name, self.module.get_parameter(name))  # the autograd nodes it made
         moved = sum(t.untyped_storage().nbytes() for t in _tensors((self._fetch_args(n), out)))
         return NodeCost(
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
@@ -916,10 +927,11 @@ def _params_reached(out, boundary, start: int | None = None) -> list[torch.Tenso
 
 
 def _cast_reads(out, boundary, start: int) -> list[torch.Tensor]:
-    """The parameters whose cast, made before the call (an autograd node numbered below ``start``:
-    ``ToCopyBackward`` of a parameter), the autograd nodes that made ``out`` read: under autocast,
-    a cast an earlier call put in autocast's cache (:func:`_params_reached` does not walk into
-    nodes that old). Walked as there, ``boundary`` excluded."""
+    """The leaves whose cast, made before the call (an autograd node numbered below ``start``:
+    ``ToCopyBackward`` of a parameter or of an input that requires grad), the autograd nodes that
+    made ``out`` read: under autocast, a cast an earlier call put in autocast's cache
+    (:func:`_params_reached` does not walk into nodes that old). Walked as there, ``boundary``
+    excluded."""
     found = []
 
     def descend(fn) -> bool:
