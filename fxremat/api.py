@@ -936,6 +936,7 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                       "step's peak is not measured, and a compiler keeps memory the plan does not see (Inductor on "
                       "the CPU: PSPNet 1.10-1.17x its budget). Pass example_inputs=(x,) to fit the plan to the "
                       "measured peak, or fit_compiled_peak=False to plan without it.", stacklevel=2)
+    _warn_trainer_checkpoints(model)
     with _planning_modes():
         with _training_mode(model):
             traced = _traced(model, leaf_modules, "compile", can_capture=example_inputs is not None,
@@ -953,6 +954,35 @@ def compile(model: torch.nn.Module, budget, *, example_inputs=None, strategy: st
                 _fit_compiled_peak(remat, args, kwargs, switch_layout=True)
                 remat._remat.fit_signatures = _fits(config)
     return remat
+
+
+def _warn_trainer_checkpoints(model: torch.nn.Module) -> None:
+    """Warn at compile when Hugging Face's Trainer is loaded and ``model``, a ``PreTrainedModel`` or
+    ``PeftModel`` with tied parameters, would stop it at its first checkpoint: Trainer calls
+    ``save_pretrained`` only on a model that is an instance of those classes (a RematModule is
+    not), and otherwise writes the bare ``state_dict`` with safetensors, which refuses tensors
+    that share memory. (No library route exists: accelerate unwraps only its own wrappers and
+    torch.compile's ``OptimizedModule``; see README, "Libraries that inspect the model".)"""
+    if "transformers.trainer" not in sys.modules:
+        return
+    saved_by_library = tuple(getattr(sys.modules[name], cls) for name, cls in
+                             (("transformers", "PreTrainedModel"), ("peft", "PeftModel")) if name in sys.modules)
+    if not isinstance(model, saved_by_library):
+        return
+    names = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    tied = next((found for found in names.values() if len(found) > 1), None)
+    if tied is None:
+        return
+    warnings.warn(
+        f"fxremat.compile: {type(model).__name__} ties {' and '.join(tied)}, and Hugging Face's Trainer is "
+        f"loaded: Trainer saves a RematModule (not a PreTrainedModel) as its bare state_dict, which safetensors "
+        f"refuses for tied tensors, so training would stop at the first checkpoint. Have Trainer save the model "
+        f"you compiled: class RematTrainer(Trainer): def save_model(self, output_dir=None, _internal_call=False): "
+        f"remat, self.model = self.model, model; then super().save_model(output_dir, _internal_call) and "
+        f"self.model = remat in a finally (README, \"Libraries that inspect the model\"); "
+        f"train(resume_from_checkpoint=...) then loads into the compiled module.", stacklevel=3)
 
 
 def _compiled_step_peak(remat: "RematModule", args: tuple, kwargs: dict) -> int:

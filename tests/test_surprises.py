@@ -10,6 +10,8 @@ import inspect
 import json
 import logging
 import pickle
+import sys
+import types
 import warnings
 
 import pytest
@@ -93,6 +95,19 @@ def test_libraries_inspecting_the_forward_and_the_class_see_the_models():
     assert remat._get_name() == "Net" and repr(remat).startswith("RematModule(Net(")
     copied = pickle.loads(pickle.dumps(remat))
     assert type(copied) is type(remat) and copied._remat.model is not model
+
+
+def test_compiling_a_tied_hugging_face_model_with_trainer_loaded_warns_at_compile(monkeypatch):
+    # Trainer saves a RematModule (not a PreTrainedModel) as its bare state_dict, which safetensors
+    # refuses for tied weights: a run stopped at its first checkpoint. Say so at compile instead.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Trainer not loaded: nothing to say
+        fxremat.compile(transformers.GPT2LMHeadModel(config), "min")
+    monkeypatch.setitem(sys.modules, "transformers.trainer", types.ModuleType("transformers.trainer"))
+    with pytest.warns(UserWarning, match=r"ties transformer\.wte\.weight and lm_head\.weight.*class RematTrainer"):
+        fxremat.compile(transformers.GPT2LMHeadModel(config), "min")
 
 
 def test_setting_an_attribute_sets_it_on_the_model_and_replans():
