@@ -193,7 +193,8 @@ def report(rows, caps, args) -> str:
         "Notes: the reference tries every pair of sets in each solve (O(#L²) in Python), so on the "
         "large exact families it runs past the limit; where both finish, their answers are compared. "
         "Both use the same provably answer-preserving bounds from the approximate family (see "
-        "`fxremat.solvers.kusumoto.solve`); only the compiled path bisects the least-peak bound. "
+        "`fxremat.solvers.kusumoto.solve`): the least peak is what the empty set needs to reach V "
+        "(`completion_bounds`), and the memory-centric solve keeps only labels that can still reach V. "
         "Segments are charged whole (`build_tables`' default: one label per set); the planner's "
         "opt-in second weighting, with torch's early stop, is timed in `benchmarks/results/early_stop.md`.",
         "",

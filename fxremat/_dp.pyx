@@ -3,7 +3,8 @@
 
 Each function here has a pure-Python reference of the same name, signature and results
 (:func:`fxremat.lowersets.enumerate_lower_sets`, :func:`fxremat.solvers.kusumoto.set_tables`,
-:func:`fxremat.solvers.kusumoto.solve_dp`, :func:`fxremat.solvers.rotor.rotor_table`);
+:func:`fxremat.solvers.kusumoto.solve_dp`, :func:`fxremat.solvers.kusumoto.completion_bounds`,
+:func:`fxremat.solvers.rotor.rotor_table`);
 :mod:`fxremat._kernels` picks one. No graph logic
 and no torch objects in here: bitsets arrive packed as rows of uint64 words (least significant
 word first, ``words(n) = max(1, ceil(n / 64))`` per row), per-node and per-set numbers as int64.
@@ -17,6 +18,8 @@ the reference's tie rule (best secondary value, first arrival), so the staircase
 equals the reference's front and back-pointers and answers are identical. The reference tries
 every pair j < k; here the k for a j are found as an AND of per-node containment bitsets over
 the sets ranked by S (or T), cut at the first rank that the budget (or time bound) excludes.
+:func:`completion_bounds` runs the same search backwards with one number per set (the bytes
+it needs to reach V); :func:`solve_dp` drops the labels it shows cannot reach V.
 
 Lower sets (:func:`enumerate_lower_sets`): depth-first over the groups in topological order,
 each lower set reached once, then sorted like the reference (by size, then value).
@@ -492,13 +495,77 @@ cdef struct _Problem:
     int64_t limit
     int64_t time_limit
     Py_ssize_t count
+    Py_ssize_t n_nodes
     Py_ssize_t w             # words per node bitset
     Py_ssize_t cw            # words per set bitset
     bint time_objective
     bint nonnegative         # out_bytes, transient >= 0: a step costs at least S_k - S_j + G(∂(L_j))
+    const int64_t* reach     # per set, the least bytes a label there needs to reach V (or NULL)
     Stair* stairs
     Label best
     bint found
+
+
+cdef _setup(_Problem* pb, const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[::1] tops,
+            const int64_t[::1] grad_boundary, const int64_t[::1] prefix_time,
+            const int64_t[::1] prefix_saved, const int64_t[::1] out_bytes,
+            const int64_t[::1] transient, const int64_t[::1] time, const int64_t[::1] hook,
+            const uint8_t[::1] stop, int64_t loss_bytes, budget, str name):
+    """Check the arrays and fill ``pb`` (all but the objective's fields); the caller frees it
+    with :func:`_release` whatever happens."""
+    cdef Py_ssize_t n = out_bytes.shape[0]
+    cdef Py_ssize_t w = _width(n)
+    cdef Py_ssize_t count = grad_boundary.shape[0]
+    cdef Py_ssize_t j
+    memset(pb, 0, sizeof(_Problem))
+    if (sets.shape[0] != count * w or keep.shape[0] != count * w or tops.shape[0] != count * w
+            or prefix_time.shape[0] != count or prefix_saved.shape[0] != count
+            or transient.shape[0] != n or time.shape[0] != n or hook.shape[0] != n or stop.shape[0] != n
+            or count == 0):
+        raise ValueError(f"fxremat._dp.{name}: array sizes do not match the set and node counts")
+    pb.sets, pb.keep, pb.grad_boundary = &sets[0], &keep[0], &grad_boundary[0]
+    pb.prefix_time, pb.prefix_saved = &prefix_time[0], &prefix_saved[0]
+    pb.out_bytes = &out_bytes[0] if n else NULL
+    pb.loss_bytes, pb.count, pb.w, pb.cw, pb.n_nodes = loss_bytes, count, w, (count + 63) // 64, n
+    pb.limit, pb.time_limit = _clamp(budget), INT64_MAX
+    pb.nonnegative = all(out_bytes[j] >= 0 for j in range(n)) and all(transient[j] >= 0 for j in range(n))
+    pb.tmax = _chunk_tables(transient, w, False)
+    pb.tsum, pb.hsum = _chunk_tables(time, w, True), _chunk_tables(hook, w, True)
+    pb.time = &time[0] if n else NULL
+    pb.stop = &stop[0] if n else NULL
+    pb.stops = <uint64_t*> malloc(w * sizeof(uint64_t))
+    if pb.stops == NULL:
+        raise MemoryError()
+    memset(pb.stops, 0, w * sizeof(uint64_t))
+    pb.whole, pb.hooks = True, False
+    for j in range(n):
+        if stop[j]:
+            pb.stops[j >> 6] |= (<uint64_t> 1) << (j & 63)
+        pb.whole = pb.whole and stop[j] == 2
+        pb.hooks = pb.hooks or hook[j] != 0
+    for j in range(count * w):
+        if tops[j] & ~sets[j]:
+            raise ValueError(f"fxremat._dp.{name}: tops[{j // w}] is not a subset of sets[{j // w}]")
+    if _rank(&pb.by_saved, &prefix_saved[0], &sets[0], n, count, w, pb.cw) < 0:
+        raise MemoryError()
+    pb.candidates = <uint64_t*> malloc(pb.cw * sizeof(uint64_t))
+    if pb.candidates == NULL:
+        raise MemoryError()
+
+
+cdef void _release(_Problem* pb) noexcept:
+    cdef Py_ssize_t j
+    if pb.stairs != NULL:
+        for j in range(pb.count):
+            free(pb.stairs[j].lab)
+    free(pb.stairs)
+    free(<void*> pb.tmax)
+    free(pb.tsum)
+    free(pb.hsum)
+    free(pb.stops)
+    _free_order(&pb.by_saved)
+    _free_order(&pb.by_time)
+    free(pb.candidates)
 
 
 def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[::1] tops,
@@ -506,60 +573,33 @@ def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[
              const int64_t[::1] prefix_saved, const int64_t[::1] out_bytes,
              const int64_t[::1] transient, const int64_t[::1] time, const int64_t[::1] hook,
              const uint8_t[::1] stop, int64_t loss_bytes, budget, str objective,
-             time_limit=None):
+             time_limit=None, reach=None):
     """Algorithm 1 over a packed family; ``(chain, t, peak)`` or ``None`` (see the reference,
     :func:`fxremat.solvers.kusumoto.solve_dp`)."""
-    cdef Py_ssize_t n = out_bytes.shape[0]
-    cdef Py_ssize_t w = _width(n)
-    cdef Py_ssize_t count = grad_boundary.shape[0]
-    cdef Py_ssize_t j
     cdef int rc = 0
     cdef _Problem pb
+    cdef const int64_t[::1] needs
     if objective not in ("time", "memory"):
         raise ValueError(f"fxremat._dp.solve_dp: objective must be 'time' or 'memory', got {objective!r}")
-    if (sets.shape[0] != count * w or keep.shape[0] != count * w or tops.shape[0] != count * w
-            or prefix_time.shape[0] != count or prefix_saved.shape[0] != count
-            or transient.shape[0] != n or time.shape[0] != n or hook.shape[0] != n or stop.shape[0] != n
-            or count == 0):
-        raise ValueError("fxremat._dp.solve_dp: array sizes do not match the set and node counts")
-    if count == 1:
-        return (), 0, 0
-    memset(&pb, 0, sizeof(_Problem))
-    pb.sets, pb.keep, pb.grad_boundary = &sets[0], &keep[0], &grad_boundary[0]
-    pb.prefix_time, pb.prefix_saved = &prefix_time[0], &prefix_saved[0]
-    pb.out_bytes = &out_bytes[0] if n else NULL
-    pb.loss_bytes, pb.count, pb.w, pb.cw = loss_bytes, count, w, (count + 63) // 64
-    pb.limit, pb.time_limit = _clamp(budget), _clamp(time_limit)
-    pb.time_objective = objective == "time"
-    pb.nonnegative = all(out_bytes[j] >= 0 for j in range(n)) and all(transient[j] >= 0 for j in range(n))
     try:
-        pb.tmax = _chunk_tables(transient, w, False)
-        pb.tsum, pb.hsum = _chunk_tables(time, w, True), _chunk_tables(hook, w, True)
-        pb.time = &time[0] if n else NULL
-        pb.stop = &stop[0] if n else NULL
-        pb.stops = <uint64_t*> malloc(w * sizeof(uint64_t))
-        if pb.stops == NULL:
-            raise MemoryError()
-        memset(pb.stops, 0, w * sizeof(uint64_t))
-        pb.whole, pb.hooks = True, False
-        for j in range(n):
-            if stop[j]:
-                pb.stops[j >> 6] |= (<uint64_t> 1) << (j & 63)
-            pb.whole = pb.whole and stop[j] == 2
-            pb.hooks = pb.hooks or hook[j] != 0
-        for j in range(count * w):
-            if tops[j] & ~sets[j]:
-                raise ValueError(f"fxremat._dp.solve_dp: tops[{j // w}] is not a subset of sets[{j // w}]")
-        if _rank(&pb.by_saved, &prefix_saved[0], &sets[0], n, count, w, pb.cw) < 0:
-            raise MemoryError()
+        _setup(&pb, sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient, time,
+               hook, stop, loss_bytes, budget, "solve_dp")
+        if reach is not None:
+            needs = reach
+            if needs.shape[0] != pb.count:
+                raise ValueError(f"fxremat._dp.solve_dp: reach has {needs.shape[0]} entries for {pb.count} sets")
+            pb.reach = &needs[0]
+        if pb.count == 1:
+            return (), 0, 0
+        pb.time_limit = _clamp(time_limit)
+        pb.time_objective = objective == "time"
         if pb.time_objective and pb.time_limit != INT64_MAX:
-            if _rank(&pb.by_time, &prefix_time[0], &sets[0], n, count, w, pb.cw) < 0:
+            if _rank(&pb.by_time, &prefix_time[0], &sets[0], pb.n_nodes, pb.count, pb.w, pb.cw) < 0:
                 raise MemoryError()
-        pb.candidates = <uint64_t*> malloc(pb.cw * sizeof(uint64_t))
-        pb.stairs = <Stair*> malloc(count * sizeof(Stair))
-        if pb.stairs == NULL or pb.candidates == NULL:
+        pb.stairs = <Stair*> malloc(pb.count * sizeof(Stair))
+        if pb.stairs == NULL:
             raise MemoryError()
-        memset(pb.stairs, 0, count * sizeof(Stair))
+        memset(pb.stairs, 0, pb.count * sizeof(Stair))
         pb.stairs[0].lab = <Label*> malloc(sizeof(Label))
         if pb.stairs[0].lab == NULL:
             raise MemoryError()
@@ -571,19 +611,29 @@ def solve_dp(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[
             raise MemoryError()
         if not pb.found:
             return None
-        return _chain(pb.stairs, &pb.best, count), pb.best.t, pb.best.peak
+        return _chain(pb.stairs, &pb.best, pb.count), pb.best.t, pb.best.peak
     finally:
-        if pb.stairs != NULL:
-            for j in range(count):
-                free(pb.stairs[j].lab)
-        free(pb.stairs)
-        free(<void*> pb.tmax)
-        free(pb.tsum)
-        free(pb.hsum)
-        free(pb.stops)
-        _free_order(&pb.by_saved)
-        _free_order(&pb.by_time)
-        free(pb.candidates)
+        _release(&pb)
+
+
+def completion_bounds(const uint64_t[::1] sets, const uint64_t[::1] keep, const uint64_t[::1] tops,
+                      const int64_t[::1] grad_boundary, const int64_t[::1] prefix_time,
+                      const int64_t[::1] prefix_saved, const int64_t[::1] out_bytes,
+                      const int64_t[::1] transient, const int64_t[::1] time, const int64_t[::1] hook,
+                      const uint8_t[::1] stop, int64_t loss_bytes, budget):
+    """Per set, the least bytes a label there needs to reach V within ``budget`` (see the
+    reference, :func:`fxremat.solvers.kusumoto.completion_bounds`)."""
+    cdef _Problem pb
+    cdef array.array needs
+    try:
+        _setup(&pb, sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient, time,
+               hook, stop, loss_bytes, budget, "completion_bounds")
+        needs = array.clone(_INT64, pb.count, zero=False)
+        with nogil:
+            _bounds(&pb, &tops[0], <int64_t*> needs.data.as_longlongs)
+        return needs
+    finally:
+        _release(&pb)
 
 
 cdef tuple _chain(Stair* stairs, Label* best, Py_ssize_t count):
@@ -598,6 +648,112 @@ cdef tuple _chain(Stair* stairs, Label* best, Py_ssize_t count):
     return tuple(chain)
 
 
+cdef Py_ssize_t _fill(_Problem* pb, const uint64_t* tops, Py_ssize_t j, _Order* order,
+                      Py_ssize_t span) noexcept nogil:
+    """Set ``pb.candidates`` to the ranks < span of ``order`` whose set holds every node of
+    tops[j]; returns the words used."""
+    cdef Py_ssize_t x, y, v, words_used = (span + 63) >> 6
+    cdef uint64_t word
+    cdef uint64_t* cand = pb.candidates
+    cdef const uint64_t* row
+    for x in range(words_used):
+        cand[x] = ~(<uint64_t> 0)
+    if span & 63:
+        cand[words_used - 1] = ((<uint64_t> 1) << (span & 63)) - 1
+    for x in range(pb.w):
+        word = tops[j * pb.w + x]
+        while word:
+            v = x * 64 + __builtin_ctzll(word)
+            word &= word - 1
+            row = order.contains + v * pb.cw
+            for y in range(words_used):
+                cand[y] &= row[y]
+    return words_used
+
+
+cdef inline bint _hopeless(_Problem* pb, Py_ssize_t k, int64_t m) noexcept nogil:
+    """A label of k with kept bytes m cannot reach V within the budget (``pb.reach``)."""
+    return pb.reach != NULL and (pb.reach[k] == INT64_MAX or <int128> m + pb.reach[k] > pb.limit)
+
+
+cdef inline bint _step_cost(_Problem* pb, Py_ssize_t j, Py_ssize_t k, int64_t* kept_out,
+                            int64_t* step_out) noexcept nogil:
+    """If L_j ⊆ L_k: the bytes the step L_j -> L_k keeps and the step's memory above m
+    (the loss's buffers included when L_k = V); False otherwise."""
+    cdef Py_ssize_t x, b, w = pb.w
+    cdef const uint64_t* low = pb.sets + j * w
+    cdef const uint64_t* high = pb.sets + k * w
+    cdef uint64_t seg, kw, byte
+    cdef int64_t kept = 0, trans = 0, tb
+    cdef bint seen = False
+    for x in range(w):
+        if low[x] & ~high[x]:
+            return False
+    for x in range(w):
+        seg = high[x] & ~low[x]
+        if seg == 0:
+            continue
+        kw = pb.keep[k * w + x] & seg
+        while kw:
+            kept += pb.out_bytes[x * 64 + __builtin_ctzll(kw)]
+            kw &= kw - 1
+        for b in range(8):
+            byte = (seg >> (8 * b)) & 255
+            if byte:
+                tb = pb.tmax[(x * 8 + b) * 256 + byte]
+                if not seen or tb > trans:
+                    trans, seen = tb, True
+    kept_out[0] = kept
+    step_out[0] = kept + pb.prefix_saved[k] - pb.prefix_saved[j] + pb.grad_boundary[j] + trans
+    if k == pb.count - 1:
+        step_out[0] += pb.loss_bytes
+    return True
+
+
+cdef Py_ssize_t _window(_Problem* pb, Py_ssize_t j, int64_t m_least, int64_t* saved_max) noexcept nogil:
+    """How many ranks of ``pb.by_saved`` a step from j with kept bytes m_least may reach."""
+    saved_max[0] = INT64_MAX
+    if pb.nonnegative and pb.limit != INT64_MAX:
+        saved_max[0] = _bound_saved(pb, j, m_least)
+        return _count_at_most(&pb.by_saved, pb.count, saved_max[0])
+    return pb.count
+
+
+cdef void _bounds(_Problem* pb, const uint64_t* tops, int64_t* needs) noexcept nogil:
+    """The reference's pass (:func:`fxremat.solvers.kusumoto.completion_bounds`), j descending.
+    The k for a j are found as in :func:`_sweep` (with m = 0); they come in ascending S_k, and a
+    step costs at least S_k - S_j + G(∂(L_j)), so the search stops once that reaches the best
+    value so far (when sizes are non-negative)."""
+    cdef Py_ssize_t j, k, x, words_used, final = pb.count - 1
+    cdef int64_t saved_max, kept, step, best, value
+    cdef uint64_t word
+    needs[final] = 0
+    j = final - 1
+    while j >= 0:
+        best = INT64_MAX
+        if _step_cost(pb, j, final, &kept, &step) and step <= pb.limit:
+            best = max(step, kept)
+        words_used = _fill(pb, tops, j, &pb.by_saved, _window(pb, j, 0, &saved_max))
+        x = 0
+        while x < words_used:
+            word = pb.candidates[x]
+            x += 1
+            while word:
+                k = pb.by_saved.index[(x - 1) * 64 + __builtin_ctzll(word)]
+                word &= word - 1
+                if (pb.nonnegative and best != INT64_MAX
+                        and <int128> pb.prefix_saved[k] - pb.prefix_saved[j] + pb.grad_boundary[j] >= best):
+                    x, word = words_used, 0
+                    break
+                if (k > j and k != final and needs[k] != INT64_MAX and _step_cost(pb, j, k, &kept, &step)
+                        and step <= pb.limit):
+                    value = max(step, _saturate(<int128> kept + needs[k]))
+                    if value < best:
+                        best = value
+        needs[j] = best if best <= pb.limit else INT64_MAX
+        j -= 1
+
+
 cdef int _sweep(_Problem* pb, const uint64_t* tops) noexcept nogil:
     """Relax every transition L_j ⊊ L_k of the family, j ascending (the reference's order).
 
@@ -610,49 +766,35 @@ cdef int _sweep(_Problem* pb, const uint64_t* tops) noexcept nogil:
     sets that contain every node of ``tops[j]``, an AND of containment bitsets (for lower sets
     and tops = maximal nodes, exactly the supersets; each is still checked). For a fixed j the
     order of the k does not matter: each k receives j's labels in one go, and V, last, after
-    every smaller j.
+    every smaller j. With ``pb.reach``, a k whose needs exceed the budget even from j's least m
+    takes none of them.
     """
-    cdef Py_ssize_t j, k, r, x, y, v, span, words_used, final = pb.count - 1, cw = pb.cw
+    cdef Py_ssize_t j, k, r, x, span, words_used, final = pb.count - 1
     cdef Stair* st
     cdef int64_t saved_max, time_max
     cdef uint64_t word
     cdef uint64_t* cand = pb.candidates
-    cdef const uint64_t* row
     cdef _Order* order
     for j in range(final):
         st = &pb.stairs[j]
         if st.size == 0:
             continue
-        saved_max, time_max = INT64_MAX, INT64_MAX
-        order, span = &pb.by_saved, pb.count
-        if pb.nonnegative and pb.limit != INT64_MAX:
-            saved_max = _bound_saved(pb, j, st.lab[st.size - 1].m)
-            span = _count_at_most(&pb.by_saved, pb.count, saved_max)
+        time_max, order = INT64_MAX, &pb.by_saved
+        span = _window(pb, j, st.lab[st.size - 1].m, &saved_max)
         if pb.time_objective and pb.time_limit != INT64_MAX:
             time_max = _bound_time(pb, j, st.lab[0].t)
             r = _count_at_most(&pb.by_time, pb.count, time_max)
             if r < span:
                 order, span = &pb.by_time, r
-        words_used = (span + 63) >> 6
-        for x in range(words_used):
-            cand[x] = ~(<uint64_t> 0)
-        if span & 63:
-            cand[words_used - 1] = ((<uint64_t> 1) << (span & 63)) - 1
-        for x in range(pb.w):
-            word = tops[j * pb.w + x]
-            while word:
-                v = x * 64 + __builtin_ctzll(word)
-                word &= word - 1
-                row = order.contains + v * cw
-                for y in range(words_used):
-                    cand[y] &= row[y]
+        words_used = _fill(pb, tops, j, order, span)
         for x in range(words_used):
             word = cand[x]
             while word:
                 k = order.index[x * 64 + __builtin_ctzll(word)]
                 word &= word - 1
                 if (k > j and k != final and pb.prefix_saved[k] <= saved_max
-                        and pb.prefix_time[k] <= time_max and _relax_pair(pb, j, k) < 0):
+                        and pb.prefix_time[k] <= time_max and not _hopeless(pb, k, st.lab[st.size - 1].m)
+                        and _relax_pair(pb, j, k) < 0):
                     return -1
         if _relax_pair(pb, j, final) < 0:
             return -1
@@ -716,36 +858,18 @@ cdef int64_t _segment_time(_Problem* pb, const uint64_t* low, const uint64_t* hi
 
 cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
     """Extend j's labels by the step L_j -> L_k, if L_j ⊊ L_k."""
-    cdef Py_ssize_t x, b, i, hi, w = pb.w
-    cdef const uint64_t* low = pb.sets + j * w
-    cdef const uint64_t* high = pb.sets + k * w
-    cdef uint64_t seg, kw, byte
-    cdef int64_t kept = 0, trans = 0, step, dt, mem, tb
-    cdef bint seen = False, final = k == pb.count - 1
+    cdef Py_ssize_t i, hi
+    cdef const uint64_t* low = pb.sets + j * pb.w
+    cdef const uint64_t* high = pb.sets + k * pb.w
+    cdef int64_t kept, step, dt, mem
+    cdef bint final = k == pb.count - 1
     cdef Stair* st = &pb.stairs[j]
     cdef Label c
-    for x in range(w):
-        if low[x] & ~high[x]:
-            return 0
-    for x in range(w):
-        seg = high[x] & ~low[x]
-        if seg == 0:
-            continue
-        kw = pb.keep[k * w + x] & seg
-        while kw:
-            kept += pb.out_bytes[x * 64 + __builtin_ctzll(kw)]
-            kw &= kw - 1
-        for b in range(8):
-            byte = (seg >> (8 * b)) & 255
-            if byte:
-                tb = pb.tmax[(x * 8 + b) * 256 + byte]
-                if not seen or tb > trans:
-                    trans, seen = tb, True
-    step = kept + pb.prefix_saved[k] - pb.prefix_saved[j] + pb.grad_boundary[j] + trans
+    if not _step_cost(pb, j, k, &kept, &step):
+        return 0
     if final:
         dt = 0
-        step += pb.loss_bytes
-    if st.lab[st.size - 1].m + step > pb.limit:
+    if st.lab[st.size - 1].m + step > pb.limit or _hopeless(pb, k, st.lab[st.size - 1].m + kept):
         return 0
     if final:
         pass
@@ -760,7 +884,7 @@ cdef int _relax_pair(_Problem* pb, Py_ssize_t j, Py_ssize_t k) noexcept nogil:
     i = hi - 1
     while i >= 0:
         mem = st.lab[i].m + step
-        if mem > pb.limit:
+        if mem > pb.limit or _hopeless(pb, k, st.lab[i].m + kept):  # both grow with m: i descending
             break
         c.t = st.lab[i].t + dt
         c.m = st.lab[i].m + kept

@@ -217,6 +217,7 @@ class _KusumotoDP(_Source):
     def __init__(self, graph: CostGraph, family, early_stop: bool = True):
         self.graph, self.early_stop, self.seconds = graph, early_stop, 0.0
         self.whole_segments: _Candidate | None = None  # see fastest_within
+        self.reach: kusumoto.Reach | None = None  # of the least-peak solve, for the solves after it
         start = time.perf_counter()
         self.weightings = {False: (graph, kusumoto.build_tables(graph, family, early_stop=False))}
         if early_stop:
@@ -234,12 +235,14 @@ class _KusumotoDP(_Source):
         if early_stop and objective == "time":
             # the whole-segment chain fits the same DP budget: its time under the early stop
             # bounds the answer's, which keeps the fronts short (kusumoto.solve)
-            whole = kusumoto.solve(self.graph, self.weightings[False][1], budget=budget)
+            whole = kusumoto.solve(self.graph, self.weightings[False][1], budget=budget, reach=self.reach)
             if whole is None:
                 self.seconds += time.perf_counter() - start
                 return None, None
             bound = sum(kusumoto.segment_time(graph, seg) for seg in Schedule.from_lower_sets(whole.lower_sets).segments[:-1])
-        sol = kusumoto.solve(graph, tables, budget=budget, objective=objective, time_bound=bound)
+        if objective == "memory" and self.reach is None:
+            self.reach = kusumoto.completion(self.graph, self.weightings[False][1])
+        sol = kusumoto.solve(graph, tables, budget=budget, objective=objective, time_bound=bound, reach=self.reach)
         self.seconds += time.perf_counter() - start
         if sol is None:
             return None, None
@@ -247,7 +250,8 @@ class _KusumotoDP(_Source):
 
     def least(self) -> _Candidate:
         """The memory-centric plan, or a time-centric one near it that simulates lower. The
-        ladder's budgets rise, so each solution fits the next budget and bounds its time."""
+        ladder's budgets rise, so each solution fits the next budget and bounds its time; what
+        each lower set needs to reach V (``reach``, from the first solve) cuts them all."""
         sol, best = self._solve(objective="memory")
         bound = sol.time
         for factor in _MIN_LADDER:

@@ -144,7 +144,8 @@ def test_kernel_signatures_match():
     from fxremat.solvers.rotor import rotor_table
 
     pairs = [(enumerate_lower_sets, _dp.enumerate_lower_sets), (kusumoto.set_tables, _dp.set_tables),
-             (kusumoto.solve_dp, _dp.solve_dp), (rotor_table, _dp.rotor_table)]
+             (kusumoto.solve_dp, _dp.solve_dp), (kusumoto.completion_bounds, _dp.completion_bounds),
+             (rotor_table, _dp.rotor_table)]
     for ref, fast in pairs:
         assert list(inspect.signature(ref).parameters) == list(inspect.signature(fast).parameters)
 
@@ -295,7 +296,7 @@ def test_exact_dp_matches_brute_force(dp_impl, graph, data, early_stop):
 
 @FAST
 @given(cost_graphs(max_nodes=8, min_nodes=1))
-def test_bounds_do_not_change_answers(dp_impl, monkeypatch_probes, graph):
+def test_bounds_do_not_change_answers(dp_impl, graph):
     for early_stop in (True, False):
         check_bounds(graph, kusumoto.build_tables(graph, exact_family(graph), early_stop))
 
@@ -313,29 +314,25 @@ def check_bounds(graph, tables):
                 if objective == "time":  # any bound at or above t* (a known chain's time) changes nothing
                     for bound in (time, 2 * time + 1, 40 * time + 17):
                         assert kusumoto.solve(graph, tables, budget=budget, time_bound=bound) == found
+                # dropping the labels that cannot reach V within the budget changes nothing
+                for reach in (kusumoto.completion(graph, tables), kusumoto.completion(graph, tables, budget)):
+                    assert kusumoto.solve(graph, tables, budget=budget, objective=objective, reach=reach) == found
 
 
 @needs_compiled
-def test_least_peak_bisection_stops_near_the_answer(monkeypatch):
-    """The bisection before the memory-centric solve stops at a gap of 1/16 of the bound (near
-    peak* a probe costs about what it saves): ResNet-50's graph took 12 DP runs, now 6."""
+def test_least_peak_is_one_pruned_solve(monkeypatch):
+    """The memory-centric solve: what each set needs to reach V (completion_bounds) gives peak*,
+    and one DP run keeps only labels that can reach V (ResNet-50's graph took 12 DP runs by
+    bisection, then 6); its answer is the unbounded solve's."""
     graph = load_graph(os.path.join(FIXTURES, "resnet50.json"))
     tables = kusumoto.build_tables(graph, exact_family(graph))
     runs, run = [], kusumoto._run
-    monkeypatch.setattr(kusumoto, "_run", lambda *args: runs.append(args[2]) or run(*args))
+    monkeypatch.setattr(kusumoto, "_run", lambda *args: runs.append(args[1]) or run(*args))
     with _kernels.use("cython"):
         found = kusumoto.solve(graph, tables, objective="memory")
-    assert len(runs) <= 7
-    assert found.peak_bytes == run(graph, tables, None, "memory", None)[2]
-
-
-@pytest.fixture
-def monkeypatch_probes():
-    """Bisect the least-peak bound with either kernel (the reference normally skips it)."""
-    saved = dict(kusumoto._PEAK_PROBES)
-    kusumoto._PEAK_PROBES.update(python=12, cython=12)
-    yield
-    kusumoto._PEAK_PROBES.update(saved)
+    assert [t is tables for t in runs] == [False, True]  # the approximate family's, then one
+    chain, time, peak = run(graph, tables, None, "memory", None)
+    assert found == kusumoto.Solution(tuple(tables.sets[j] for j in chain), time, peak)
 
 
 # --------------------------------------------------------------------------- edge cases and the switch

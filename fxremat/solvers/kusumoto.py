@@ -36,10 +36,11 @@ approximate ({L^v}); ``objective="time"`` is the time-centric strategy, ``"memor
 least peak (the memory-centric budget). Identical inputs give identical outputs (integer
 arithmetic only), which the Cython kernels must reproduce.
 
-The work is done by two kernels on plain arrays, :func:`set_tables` and :func:`solve_dp`
-(the pure-Python references, below); ``fxremat/_dp.pyx`` has compiled twins with the same
-signatures and results, and :mod:`fxremat._kernels` picks one. :func:`solve` also bounds the
-search with the approximate family's answer, which provably leaves the answer unchanged.
+The work is done by three kernels on plain arrays, :func:`set_tables`, :func:`solve_dp` and
+:func:`completion_bounds` (the pure-Python references, below); ``fxremat/_dp.pyx`` has
+compiled twins with the same signatures and results, and :mod:`fxremat._kernels` picks one.
+:func:`solve` also bounds the search with the approximate family's answer, which provably
+leaves the answer unchanged.
 """
 
 from __future__ import annotations
@@ -51,9 +52,11 @@ from .. import _kernels
 from ..core import CostGraph
 from ..lowersets import bits, pack, pruned_family, unpack, words
 
-__all__ = ["Solution", "Tables", "build_tables", "solve", "set_tables", "solve_dp"]
+__all__ = ["Reach", "Solution", "Tables", "build_tables", "completion", "solve", "set_tables", "solve_dp",
+           "completion_bounds"]
 
 OBJECTIVES = ("time", "memory")
+UNREACHABLE = 2 ** 63 - 1  # completion_bounds: no label of the set can reach V
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,22 @@ class Solution:
     lower_sets: tuple[int, ...]
     time: int
     peak_bytes: int
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What each set of a family needs to reach V (:func:`completion_bounds`, under ``limit``),
+    for the solves of ``budget`` (``None``: unbounded). Sizes only: it serves every time
+    weighting of the family, and any budget ≤ ``limit``."""
+
+    budget: int | None
+    limit: int | None
+    needs: array
+
+    @property
+    def least_peak(self) -> int | None:
+        """peak* under ``budget``; ``None`` if no strategy fits it."""
+        return None if self.needs[0] == UNREACHABLE else self.needs[0]
 
 
 @dataclass(frozen=True)
@@ -166,8 +185,17 @@ def _select(tables: Tables, rows: list[int]) -> Tables:
                   tables.early_stop)
 
 
+def completion(graph: CostGraph, tables: Tables, budget: int | None = None) -> Reach:
+    """:func:`completion_bounds` of ``tables`` under the least peak within ``budget`` of the
+    approximate family inside it (≥ peak*, so its ``needs[0]`` is peak*), else ``budget``."""
+    coarse = None if tables.coarse is None else _run(graph, tables.coarse, budget, "memory", None)
+    limit = budget if coarse is None else coarse[2]
+    kernel = _kernels.pick(completion_bounds, "completion_bounds")
+    return Reach(budget, limit, kernel(*_arrays(graph, tables), limit))
+
+
 def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, objective: str = "time",
-          time_bound: int | None = None):
+          time_bound: int | None = None, reach: Reach | None = None):
     """Algorithm 1 over ``tables.sets``; returns a :class:`Solution` or ``None`` if infeasible.
 
     ``objective="time"``: least overhead with every step's memory ≤ ``budget``.
@@ -175,6 +203,7 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
     Segment times follow ``tables.early_stop`` (see :func:`build_tables`). ``time_bound``
     (time objective): the time of some chain known to fit ``budget``, which bounds t* (the
     planner passes the whole-segment solution's time under the early stop, see below).
+    ``reach``: :func:`completion` of this family (any time weighting), reused across solves.
 
     Bounds shrink the search without changing the answer (the same for both kernels):
 
@@ -189,11 +218,14 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
       solve finds nothing (a solve under limit L finds the answer if t* ≤ L, else nothing).
     - memory objective: likewise any P ≥ peak* used as the budget gives the same answer (a
       label with peak > P only dominates labels with a larger peak, and the answer's chain has
-      peak* everywhere). P starts at the approximate family's least peak and is lowered by
-      bisection: a time-objective solve with budget ``mid`` fails (peak* > mid) or returns a
-      chain whose peak is the new P, until P is within 1/``_PEAK_GAP`` of the largest budget
-      that failed. The final solve then keeps only labels near peak*. (The reference kernel
-      scans every pair in each solve, so it skips the bisection.)
+      peak* everywhere). :func:`completion` (under the approximate family's least peak, ≥
+      peak*) gives what each set needs to reach V, ∅'s being peak* itself, the P used: a label
+      whose kept bytes m plus what its set needs exceed P can never complete. Dropping those
+      changes no other label: they hold the largest m of their set, so they dominate no label
+      that can complete, and what they lead to cannot complete either. The one solve so keeps
+      only labels on chains of peak* (GoogLeNet with aux heads, 14,700 lower sets: four
+      bisection probes and a solve at 1.03 peak* took ~7 s of CPU, this ~1.6 s). A
+      time-objective solve drops them too where its budget is ≤ ``reach.limit``.
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"fxremat.solvers.kusumoto.solve: objective must be 'time' or 'memory', got {objective!r}")
@@ -202,8 +234,13 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
     if tables.coarse is not None and timed:
         coarse = _run(graph, tables.coarse, budget, "time", None)
         time_limit = None if coarse is None else coarse[1]
-    elif tables.coarse is not None and objective == "memory":
-        budget = _peak_bound(graph, tables, budget)
+    if objective == "memory":
+        reach = reach if reach is not None and reach.budget == budget else completion(graph, tables, budget)
+        if reach.least_peak is None:
+            return None
+        budget = reach.least_peak
+    elif reach is not None and not (budget is not None and reach.limit is not None and budget <= reach.limit):
+        reach = None
     if timed and time_bound is not None:
         time_limit = time_bound if time_limit is None else min(time_limit, time_bound)
     limits = [time_limit]
@@ -212,7 +249,7 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
             limits.insert(0, limits[0] // 2)
         limits = limits[-5:]
     for limit in limits:
-        found = _run(graph, tables, budget, objective, limit)
+        found = _run(graph, tables, budget, objective, limit, None if reach is None else reach.needs)
         if found is not None:
             break
     if found is None:
@@ -221,47 +258,25 @@ def solve(graph: CostGraph, tables: Tables, *, budget: int | None = None, object
     return Solution(tuple(tables.sets[j] for j in chain), time, peak)
 
 
-# Bisection probes per implementation, and the gap (a fraction of P) at which they stop: near
-# peak* a probe costs about as much as it saves (GoogLeNet with aux heads, 14,700 lower sets:
-# a probe that finds nothing ~3 s, the memory solve 7.5 s at P = peak*, 9.3 s at 1.03 peak*,
-# 11.4 s at 1.07 peak*, 42 s at 1.5 peak*; bisecting down to a gap of 1/1024 took ten probes).
-_PEAK_PROBES = {"python": 0, "cython": 12}
-_PEAK_GAP = 16
-
-
-def _peak_bound(graph: CostGraph, tables: Tables, budget):
-    """A P with peak* ≤ P ≤ ``budget``, close to peak* (see :func:`solve`)."""
-    coarse = _run(graph, tables.coarse, budget, "memory", None)
-    if coarse is None:
-        return budget
-    low, high = 0, coarse[2]
-    for _ in range(_PEAK_PROBES[_kernels.current()]):
-        if high - low <= abs(high) // _PEAK_GAP:
-            break
-        mid = (low + high) // 2
-        found = _run(graph, tables, mid, "time", None)
-        if found is None:
-            low = mid + 1
-        else:
-            high = found[2]
-    return high
-
-
 def _stop_kinds(graph: CostGraph, early_stop: bool) -> list[int]:
     """Per node, :meth:`~fxremat.core.CostGraph.stop_kind`; without the early stop every node
     counts as saving after it runs (kind 2), so a segment pays all its forwards."""
     return [graph.stop_kind(v) if early_stop else 2 for v in range(graph.n)]
 
 
-def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit):
+def _arrays(graph: CostGraph, tables: Tables) -> tuple:
+    """The kernels' leading arguments, from ``sets`` to ``loss_bytes``."""
+    return (_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"),
+            _view(tables.top_words, "Q"), _view(tables.grad_boundary, "q"),
+            _view(tables.prefix_time, "q"), _view(tables.prefix_saved, "q"),
+            array("q", graph.out_bytes), array("q", [graph.step_transient(v) for v in range(graph.n)]),
+            array("q", graph.time), array("q", graph.hook_time), array("B", _stop_kinds(graph, tables.early_stop)),
+            graph.loss_bytes)
+
+
+def _run(graph: CostGraph, tables: Tables, budget, objective: str, time_limit, reach=None):
     kernel = _kernels.pick(solve_dp, "solve_dp")
-    stop = _stop_kinds(graph, tables.early_stop)
-    return kernel(_view(tables.set_words, "Q"), _view(tables.keep_words, "Q"),
-                  _view(tables.top_words, "Q"), _view(tables.grad_boundary, "q"),
-                  _view(tables.prefix_time, "q"), _view(tables.prefix_saved, "q"),
-                  array("q", graph.out_bytes), array("q", [graph.step_transient(v) for v in range(graph.n)]),
-                  array("q", graph.time), array("q", graph.hook_time), array("B", stop),
-                  graph.loss_bytes, budget, objective, time_limit)
+    return kernel(*_arrays(graph, tables), budget, objective, time_limit, reach)
 
 
 # --------------------------------------------------------------------------- reference kernels
@@ -345,8 +360,51 @@ def _relax(target: dict, objective: str, t: int, m: int, peak: int, back) -> Non
         target[(peak, m)] = (t, back)
 
 
+def _steps(sets, keep_roots, grad_boundary, prefix_saved, out_bytes, transient, loss_bytes: int):
+    """``step(j, k)``: ``(kept, memory)`` of the step L_j -> L_k above m (the paper's Eq. 2 less
+    m, the loss's buffers included when L_k = V), or ``None`` if L_j ⊄ L_k."""
+    out_sum, transient_max = _ChunkTable(out_bytes, sum), _ChunkTable(transient, max)
+    last = len(sets) - 1
+
+    def step(j: int, k: int):
+        if sets[j] & ~sets[k]:
+            return None
+        seg = sets[k] & ~sets[j]
+        kept = out_sum(keep_roots[k] & seg)
+        memory = kept + prefix_saved[k] - prefix_saved[j] + grad_boundary[j] + transient_max(seg)
+        return kept, memory + (loss_bytes if k == last else 0)
+
+    return step
+
+
+def completion_bounds(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient,
+                      time, hook, stop, loss_bytes: int, budget: int | None):
+    """Kernel: per set L_j, the bytes ``needs[j]`` a label there needs above its kept bytes m to
+    reach V within ``budget`` (``UNREACHABLE`` when none can); an int64 array whose first entry,
+    ∅'s, is the least peak of any strategy.
+
+    j descending from V (needs[V] = 0): over the steps L_j -> L_k whose memory is ≤ the budget,
+    the least max(step memory, kept + needs[k]); ``UNREACHABLE`` if that exceeds the budget.
+    A label reaching V takes such steps, so its m + needs[j] ≤ budget, and the DP may drop
+    the others (:func:`solve_dp`'s ``reach``). Arguments as :func:`solve_dp`'s (times unused)."""
+    width = words(len(out_bytes))
+    sets = unpack(sets, width)
+    step = _steps(sets, unpack(keep, width), grad_boundary, prefix_saved, out_bytes, transient, loss_bytes)
+    limit = budget if budget is not None else float("inf")
+    needs = array("q", [UNREACHABLE] * len(sets))
+    needs[-1] = 0
+    for j in reversed(range(len(sets) - 1)):
+        values = [max(found[1], found[0] + needs[k]) for k in range(j + 1, len(sets))
+                  if needs[k] != UNREACHABLE and (found := step(j, k)) and found[1] <= limit]
+        best = min(values, default=None)
+        if best is not None and best <= limit:
+            needs[j] = best
+    return needs
+
+
 def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_bytes, transient,
-             time, hook, stop, loss_bytes: int, budget: int | None, objective: str, time_limit: int | None = None):
+             time, hook, stop, loss_bytes: int, budget: int | None, objective: str, time_limit: int | None = None,
+             reach=None):
     """Kernel: Algorithm 1 over a packed family; ``(chain, t, peak)`` or ``None``.
 
     ``sets``/``keep``: packed bitsets (L and the storage owners of ∂(L)) sorted by size, ∅
@@ -354,13 +412,16 @@ def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_byt
     :class:`Tables`); ``out_bytes``, ``transient``, ``time`` (forward), ``hook``: int64 per node;
     ``stop``: uint8 per node (:meth:`~fxremat.core.CostGraph.stop_kind`). A step's time is
     :func:`segment_time` of the segment, from these. ``chain`` holds the indices of L_1, ...,
-    L_k = V in ``sets``. Labels with a time above ``time_limit`` are dropped. ``tops`` (packed
-    subsets of each set, e.g. its maximal nodes) and ``prefix_time`` only speed up the compiled
-    kernel's search for supersets; this reference tests every pair.
+    L_k = V in ``sets``. Labels with a time above ``time_limit`` are dropped, and with ``reach``
+    (:func:`completion_bounds` under a budget ≥ this one) those whose kept bytes plus what their
+    set needs exceed the budget: they never reach V and dominate no label that does, so the
+    answer stays. ``tops`` (packed subsets of each set, e.g. its maximal nodes) and
+    ``prefix_time`` only speed up the compiled kernel's search for supersets; this reference
+    tests every pair.
     """
     width = words(len(out_bytes))
-    sets, keep_roots = unpack(sets, width), unpack(keep, width)
-    out_sum, transient_max = _ChunkTable(out_bytes, sum), _ChunkTable(transient, max)
+    sets = unpack(sets, width)
+    step_memory = _steps(sets, unpack(keep, width), grad_boundary, prefix_saved, out_bytes, transient, loss_bytes)
     time_sum, hook_sum = _ChunkTable(time, sum), _ChunkTable(hook, sum)
     stops = sum(1 << v for v, kind in enumerate(stop) if kind)
 
@@ -371,7 +432,7 @@ def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_byt
         s = last.bit_length() - 1
         return hook_sum(seg) + time_sum(seg & ((1 << s) - 1)) + (time[s] if stop[s] == 2 else 0)
 
-    full, count = sets[-1], len(sets)
+    count = len(sets)
     labels: list[dict] = [dict() for _ in range(count)]
     labels[0][0 if objective == "time" else (0, 0)] = (0, 0, None) if objective == "time" else (0, None)
     limit = budget if budget is not None else float("inf")
@@ -379,21 +440,16 @@ def solve_dp(sets, keep, tops, grad_boundary, prefix_time, prefix_saved, out_byt
         front = _front(labels[j], objective)
         if not front:
             continue
-        low, s_low = sets[j], prefix_saved[j]
         for k in range(j + 1, count):
-            high = sets[k]
-            if low & ~high:
+            found = step_memory(j, k)
+            if found is None:
                 continue
-            seg = high & ~low
-            kept = out_sum(keep_roots[k] & seg)
-            step = kept + prefix_saved[k] - s_low + grad_boundary[j] + transient_max(seg)
-            if high == full:
-                dt, step = 0, step + loss_bytes
-            else:
-                dt = step_time(seg)
+            kept, step = found
+            dt = 0 if k == count - 1 else step_time(sets[k] & ~sets[j])
             for key, t, m, peak in front:
                 mem = m + step
-                if mem <= limit and (time_limit is None or t + dt <= time_limit):
+                if (mem <= limit and (time_limit is None or t + dt <= time_limit)
+                        and (reach is None or reach[k] != UNREACHABLE and m + kept + reach[k] <= limit)):
                     _relax(labels[k], objective, t + dt, m + kept, max(peak, mem), (j, key))
     return _best(labels, objective)
 
