@@ -93,6 +93,9 @@ class CostGraph:
     forward pre-hook's weight: ``torch.nn.utils.prune``, the hook-based ``weight_norm``), alive from
     v's forward to the step's end, since the module holds them until its next call; a
     recomputation of v makes them again beside the ones it replaces (not in ``extra_bytes``).
+    ``unsaved_item_bytes[v]`` (empty: 0 everywhere): the part of ``out_bytes[v]``, the items of a
+    tuple output, that no backward saves: they go once v's readers ran, where only backwards (v's
+    own, its readers') hold the rest (nn.MultiheadAttention's output beside its per-head weights).
     ``bwd_tail_bytes[v]`` (empty: 0 everywhere): what v's backward holds beyond its inputs'
     gradients once its own op has let go of what it saved and of its incoming gradient: the
     gradient path through such a hook's weight (prune's mask multiply), after
@@ -143,6 +146,7 @@ class CostGraph:
     bwd_unpack_bytes: tuple[int, ...] = ()
     bwd_released_bytes: tuple[int, ...] = ()
     held_bytes: tuple[int, ...] = ()
+    unsaved_item_bytes: tuple[int, ...] = ()
     bwd_tail_bytes: tuple[int, ...] = ()
     state_bytes: tuple[int, ...] = ()
     state_reads: tuple[tuple[int, ...], ...] = ()
@@ -156,7 +160,7 @@ class CostGraph:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name in ("cast_reads", "cast_saves", "bwd_unpack_bytes", "bwd_released_bytes",
-                          "held_bytes", "bwd_tail_bytes", "state_reads", "state_writes",
+                          "held_bytes", "unsaved_item_bytes", "bwd_tail_bytes", "state_reads", "state_writes",
                           "bwd_freed_inputs") and not value:
                 continue  # no autocast cache; no backward that allocates before it unpacks or frees early; no hook's weight
             if f.name in ("state_bytes", "cast_shared", "cast_bytes"):  # one entry per mutated buffer, per cast

@@ -195,6 +195,11 @@ class _Memory:
     def free(self, key) -> None:
         self.total -= self.live.pop(key, 0)
 
+    def shrink(self, key, nbytes: int) -> None:
+        """Let go of ``nbytes`` of a live allocation, without an event of its own."""
+        self.live[key] -= nbytes
+        self.total -= nbytes
+
     def note(self, transient: int = 0) -> None:
         self.peak = max(self.peak, self.total + transient)
         self.timeline.append(self.total + transient)
@@ -227,9 +232,16 @@ def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
     pending = {v: set(u) for v, u in uses.items()}
     outputs = {graph.root[v] for v in range(graph.n) if graph.is_output[v]}
 
+    shrunk = set()
+
     def maybe_free(r, copy="f"):
-        if not pending[r] and not holds[r] and r not in outputs:
+        if pending[r] or r in outputs:
+            return
+        if not holds[r]:
             mem.free((copy, r))
+        elif graph.unsaved_item_bytes and r not in shrunk and all(kind == "node" for kind, _ in holds[r]):
+            shrunk.add(r)  # only backwards hold it, which save none of its unsaved items: those go
+            mem.shrink((copy, r), graph.unsaved_item_bytes[r])
 
     snapshots = _snapshots(graph, schedule)
     casts = _Casts(graph, mem)

@@ -115,6 +115,8 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         bwd_released_bytes=(tuple(c.bwd_released_bytes for c in node_costs)
                             if any(c.bwd_released_bytes for c in node_costs) else ()),
         held_bytes=tuple(c.held_bytes for c in node_costs) if any(c.held_bytes for c in node_costs) else (),
+        unsaved_item_bytes=(tuple(c.unsaved_item_bytes for c in node_costs)
+                            if any(c.unsaved_item_bytes for c in node_costs) else ()),
         bwd_tail_bytes=(tuple(c.bwd_tail_bytes for c in node_costs)
                         if any(c.bwd_tail_bytes for c in node_costs) else ()),
         state_bytes=state_bytes,

@@ -121,6 +121,7 @@ class NodeCost:
     loss_held_bytes: int = 0  # a graph output's log-softmax in the assumed loss (0: none; see _loss_part)
     loss_target_bytes: int = 0  # ... and that cross-entropy's int64 class-index target
     loss_cast_bytes: int = 0  # ... and the copy of the output in the loss's dtype it makes first (bf16 output)
+    unsaved_item_bytes: int = 0  # items of its tuple output that no backward saves (see settled_costs)
 
 
 @dataclass(frozen=True)
@@ -521,6 +522,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
         self.cached_casts: dict[int, tuple[str, int]] = {}
         self.cast_dtypes: dict[str, torch.dtype] = {}  # leaf name -> the dtype of its cached cast
         self.costs: list[NodeCost] = []
+        self.items: dict[str, dict[int, int]] = {}  # tuple-output node -> storage key -> bytes of its items
+        self.saved_storages: set[int] = set()  # the storages some node's backward saves
         # per call_module node: storage key -> (bytes, saved by its backward) of the tensors its call
         # left on its module as attributes (:func:`_attribute_tensors`; see :meth:`settled_costs`)
         self.left_on_module: dict[str, dict[int, tuple[int, bool]]] = {}
@@ -571,6 +574,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         mutated = {name for name, b in self.buffers if b._version != versions[name]}
         mutated = tuple(sorted(mutated | set(self.buffer_writes.written)))
         made = {key: (self.leaf_names[casts.leaf_of[key]], nbytes) for key, nbytes in casts.made.items()}
+        self.saved_storages.update(recorder.saved)
         cost = replace(self._node_cost(n, out, recorder.saved, transient, flops, before, made), mutated_buffers=mutated,
                        uses_rng=uses_rng, saved_count=recorder.count, saved_bytes=recorder.nbytes)
         self.cached_casts.update(made)
@@ -601,10 +605,19 @@ class _ProfilingInterpreter(_GraphInterpreter):
         backward saves it (prune's weight: counted only as saved, it was let go at the node's
         backward or not held at all where the node is recomputed, while its module holds it until
         the next step's call: 1.34x the budget at "min" on an MLP of pruned Linears). A module
-        called twice holds only the last call's; the first's is saved by its backward, if at all."""
+        called twice holds only the last call's; the first's is saved by its backward, if at all.
+
+        And the items of a tuple output that no backward saves, neither the node's nor a reader's,
+        are its ``unsaved_item_bytes``: they go once its readers ran, while the items saved are
+        held to their savers' backwards (nn.MultiheadAttention(average_attn_weights=False) whose
+        per-head weights a loss reads: its backward and the loss's save the weights, and its
+        output, held with them as one value, was over-predicted through the backward: +5.5%)."""
         held = _attribute_tensors(self.module)
         costs = []
         for c in self.costs:
+            unsaved = sum(nbytes for key, nbytes in self.items.get(c.name, {}).items() if key not in self.saved_storages)
+            if unsaved:
+                c = replace(c, unsaved_item_bytes=unsaved)
             left = [value for key, value in self.left_on_module.get(c.name, {}).items() if key in held]
             if left:
                 c = replace(c, held_bytes=sum(nbytes for nbytes, _ in left),
@@ -671,11 +684,22 @@ class _ProfilingInterpreter(_GraphInterpreter):
             base_copy = _Capture.apply(base, arrived).clone()
             written = base_copy.as_strided(view.size(), view.stride(), view.storage_offset() - view._base.storage_offset())
 
+        # one tensor passed twice is one input here too (self-attention's query, key and value, which
+        # nn.MultiheadAttention projects at once only where they are the same tensor: as three
+        # leaves, its backward was another's, and their three gradients were subtracted, not one:
+        # the plain peak of an attention on a computed input was predicted -5.8%)
+        detached = {}
+
         def detach(t):
-            if t is view:
-                return written
             if not isinstance(t, torch.Tensor):
                 return t
+            if id(t) not in detached:
+                detached[id(t)] = detached_once(t)
+            return detached[id(t)]
+
+        def detached_once(t):
+            if t is view:
+                return written
             if not t.requires_grad:
                 return self._own_copy(t, t, copies)
             if t.is_leaf and _storage_key(t) in self.param_keys:  # a parameter, not a view of one
@@ -706,14 +730,21 @@ class _ProfilingInterpreter(_GraphInterpreter):
                     out = torch.func.functional_call(mod, params, args, kwargs)
             else:
                 out = getattr(self, n.op)(n.target, args, kwargs)
-        del args, kwargs  # the copies of the inputs are autograd's alone now
-        outs = [t for t in _read_tensors(n, out) if t.requires_grad and t.grad_fn is not None]
+        del args, kwargs, detached  # the copies of the inputs are autograd's alone now
+        read = _read_tensors(n, out)
+        outs = [t for t in read if t.requires_grad and t.grad_fn is not None]
         permuted = _permuted_reader(n)
         if permuted is not None and len(outs) == 1 and outs[0] is out:
             # read only through a transpose: its gradient arrives transposed, not contiguous, and a
             # backward that needs it contiguous (a linear layer's matrix product) copies it first
             # (an MLP-Mixer's token mixing at "min": 1.10x the budget where a contiguous seed hid it)
             outs = [permuted(out)]
+        # the items no node reads are autograd's alone, as in the step: one its backward saves (the
+        # per-head attention weights of nn.MultiheadAttention(average_attn_weights=False), a view of
+        # the probabilities) is an extra buffer (:func:`_unread_outputs`), tracked below and let go
+        # where the backward lets go of it; held here as a value, what came after that counted on top
+        # of it (+8.3% on the plain peak)
+        del out
         wrt = leaves + list(stand_ins.values())
         if not outs or not wrt:
             return 0, 0, 0, 0, ()
@@ -747,7 +778,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # And so are the inputs it saves, copied (:meth:`_own_copy`): each autograd node lets go of
         # those it saved as it returns; under autocast a linear layer's bf16 input goes before the
         # copy of its weight's gradient to float32, its peak (HF ViT under bf16 autocast: +2.5%).
-        values = {_storage_key(t) for t in _tensors((out, env_values, list(stand_ins.values())))}
+        values = {_storage_key(t) for t in _tensors((read, env_values, list(stand_ins.values())))}
         held = _track_held(tracker, casts.storages + saved, values, self.fake)
         saved_keys = tracker.alive_keys()  # (the tracker has seen nothing else yet)
         saved_copies = {key: owner for key, (ref, owner) in copies.items() if ref() is not None}
@@ -820,7 +851,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         casts = {k: c for k, c in (casts or {}).items()  # an explicit cast (a captured graph's) is a value
                  if k not in {_storage_key(t) for t in _tensors(out)}}
         unread = _unread_outputs(n, out)
-        out_bytes, root = 0, n.name
+        out_bytes, root, items = 0, n.name, {}
         for t in _tensors(out):
             key = _storage_key(t)
             if key is None:
@@ -830,7 +861,10 @@ class _ProfilingInterpreter(_GraphInterpreter):
             else:
                 self.owner[key] = n.name
                 if not (key in unread and key in saved):  # (one its backward saves is an extra buffer)
-                    out_bytes += t.untyped_storage().nbytes()
+                    items[key] = t.untyped_storage().nbytes()
+                    out_bytes += items[key]
+        if isinstance(out, (tuple, list)):
+            self.items[n.name] = items
         saved_inputs, saves_output, extra, cast_saved = set(), False, 0, set()
         read = dict(casts.values())  # parameter -> bytes of its cast, read through autocast's cache
         for key, nbytes in saved.items():
