@@ -34,7 +34,7 @@ from .errors import InfeasibleBudgetError, PlanBudgetError, TraceError, format_b
 from .measure import allocated_peak, default_loss
 from .core import CostGraph, Schedule
 from .passes.calibrate import calibrate
-from .passes.lower import build_graph
+from .passes.lower import build_graph, with_mechanism
 from .passes.profile import COST_MODELS, GraphCosts, PlainForward, forward_bytes, preserved_state, profile, step_times
 from .passes import partition
 from .passes.rewrite import rewrite
@@ -375,7 +375,7 @@ def _lowered(gm: fx.GraphModule, inputs: tuple, config: _Config, *,
     if costs.mechanism is not None and (any_budget or _may_recompute(config)):
         with _stage("calibrating", "the checkpoint mechanism on this model"):
             costs = replace(costs, mechanism=calibrate(gm, inputs, graph, costs, config.profile_repeats))
-            graph = build_graph(gm, costs)
+            graph = with_mechanism(graph, costs)
     return replace(graph, param_grads_held=config.one_backward), costs
 
 

@@ -15,6 +15,8 @@ into a view to the nodes that read what it wrote (:func:`_written_first`).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
@@ -23,7 +25,7 @@ from .profile import GraphCosts
 from .rewrite import buffers_read
 from .trace import CALL_OPS, writes_in_place, written_inputs
 
-__all__ = ["build_graph", "LOSS_OUTPUT_COPIES"]
+__all__ = ["build_graph", "with_mechanism", "LOSS_OUTPUT_COPIES"]
 
 LOSS_OUTPUT_COPIES = 2  # beside its log-softmax, a cross-entropy's backward makes that gradient and its input's
 _MAX_SCALAR_BYTES = 8  # one element of at most float64: a returned loss
@@ -130,13 +132,26 @@ def build_graph(gm: fx.GraphModule, costs: GraphCosts) -> CostGraph:
         loss_forward_bytes=0 if loss_output is not None else _loss_forward_bytes(_output_order(gm.graph, index),
                                                                                  node_costs),
         loss_output=loss_output,
-        checkpoint_time=round(costs.mechanism.per_checkpoint / unit) if costs.mechanism else 0,
-        hook_time=tuple(round(costs.mechanism.of_node(c.saved_count, c.saved_bytes) / unit) if costs.mechanism else 0
-                        for c in node_costs),
+        **_mechanism_times(costs, node_costs, unit),
         time_unit=unit,
         step_cost=costs.step_cost,
         cost_unit=costs.cost_unit,
     )
+
+
+def with_mechanism(graph: CostGraph, costs: GraphCosts) -> CostGraph:
+    """``graph``, built from a profile of the same nodes and forward times, with the checkpoint
+    mechanism of ``costs`` (as :func:`build_graph` would make it, without building it again)."""
+    by_name = {c.name: c for c in costs.nodes}
+    return replace(graph, **_mechanism_times(costs, [by_name[name] for name in graph.names], graph.time_unit))
+
+
+def _mechanism_times(costs: GraphCosts, node_costs, unit: float) -> dict:
+    """The graph's ``checkpoint_time`` and per-node ``hook_time`` from ``costs.mechanism`` (0 without one)."""
+    mechanism = costs.mechanism
+    return dict(checkpoint_time=round(mechanism.per_checkpoint / unit) if mechanism else 0,
+                hook_time=tuple(round(mechanism.of_node(c.saved_count, c.saved_bytes) / unit) if mechanism else 0
+                                for c in node_costs))
 
 
 def _state(gm: fx.GraphModule, calls, node_costs):

@@ -100,7 +100,13 @@ def rewrite(gm: fx.GraphModule, segments, recomputed, mutated_buffers: dict[str,
     out = next(n for n in gm.graph.nodes if n.op == "output")
     _copy_inline(top, out, env, gm, attrs)
     top.lint()
-    return fx.GraphModule(attrs, top, "RematGraph")
+    # The segments' modules were compiled when made; handed to the constructor, torch.fx compiles
+    # every GraphModule child again (and theirs, once per level of nesting): they are set after.
+    made = {f"seg_{i}": attrs[f"seg_{i}"] for i, rec in enumerate(recomputed) if rec}
+    result = fx.GraphModule({**attrs, **{name: torch.nn.Module() for name in made}}, top, "RematGraph")
+    for name, seg in made.items():
+        setattr(result, name, seg)
+    return result
 
 
 def _views_in_order(gm: fx.GraphModule, segments, recomputed, inner, views):

@@ -1067,6 +1067,7 @@ def trace(model: torch.nn.Module, *, leaf_modules=(), concrete_args=None) -> fx.
     untraceable = []  # (submodule, warning) of those made leaves, warned about once traced
     for _ in range(_MAX_AUTO_LEAVES):
         tracer = _LeafTracer(classes, names, devices)
+        tracer.record_stack_traces = False  # the probe's graph is compared with the kept one, never kept
         try:
             # The probe trace first: it leaves the model as it found it, so that the kept trace
             # names its tensor constants alike.
