@@ -283,3 +283,21 @@ class _UsesAnObject(nn.Module):
 def test_a_submodule_returning_an_object_holding_tensors_is_refused_naming_it():
     with pytest.raises(fxremat.TraceError, match=r"submodule 'box' \(_ReturnsAnObject\).*returns an object of type _Boxed"):
         fxremat.compile(_UsesAnObject(), "min", example_inputs={"x": torch.randn(4, 16)})
+
+
+class _Resized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.resize = nn.Linear(16, 16), _RandomResize()
+
+    @_decorated
+    def forward(self, x):
+        return self.resize(self.body(x)).sum()
+
+
+def test_torch_exports_partial_graph_of_a_failed_round_is_not_printed(capsys):
+    with pytest.warns(UserWarning, match=r"could not capture submodule 'resize'"):
+        fxremat.compile(_Resized(), "min", example_inputs={"x": torch.randn(4, 16)}, cost_model="flops")
+    with pytest.raises(fxremat.TraceError, match=r"submodule 'box'"):
+        fxremat.compile(_UsesAnObject(), "min", example_inputs={"x": torch.randn(4, 16)})
+    assert "def forward" not in capsys.readouterr().err  # torch.export prints it to stderr, twice a round

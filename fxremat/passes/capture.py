@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import io
 import logging
 import operator
 import os
@@ -591,6 +592,27 @@ def _in_distributions(exc: BaseException | None) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _partial_graphs_logged():
+    """torch.export prints the partial graph of a capture that failed on a data-dependent value to
+    stderr (pages of generated code, twice, for each failed round, even when fxremat then keeps
+    the submodule whole and compiles the model); fxremat handles that failure itself (a warning or
+    a refusal naming the line), so the graph goes to its DEBUG log instead. Anything else written
+    to stderr meanwhile is passed on when the export returns."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as exc:
+        text, graph = held.getvalue(), getattr(exc, "partial_fx_graph", None)
+        if graph:  # printed once by each of export's nested entry points
+            text = text.replace(graph + "\n", "")
+            log.debug("torch.export's partial graph of the failed capture:\n%s", graph)
+        sys.stderr.write(text)
+        raise
+    sys.stderr.write(held.getvalue())
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, random_branches: dict) -> tuple:
     """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
@@ -600,7 +622,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
-              _tensor_hooks_refused()):
+              _tensor_hooks_refused(), _partial_graphs_logged()):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     finally:
         calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)
