@@ -9,7 +9,7 @@ and implementation (``python``: the pure-Python reference, ``cython``: ``fxremat
 - ``time-centric``: one time-centric solve with the budget halfway between that least peak and
   the peak without recomputation;
 - ``planner``: (compiled only) every DP solve of ``fxremat.planner.choose`` for a budget of half
-  the plain peak — about 17 solves (the memory-centric one, its ladder, a bisection).
+  the plain peak — the memory-centric one and its ladder of time-centric ones.
 
 The single solves charge segments whole (``build_tables``' default); ``benchmarks/early_stop.py``
 times the planner with the early-stop weighting too.
@@ -91,7 +91,7 @@ def measure_planner(net: str, family: str) -> dict:
     graph = load_graph(os.path.join(FIXTURES, f"{net}.json"))
     with _kernels.use("cython"):
         choice = planner.choose(graph, parse_budget(0.5), strategy=family, exact_cap=10**9)
-        capped = all_lower_sets(graph.preds, cap=planner.DEFAULT_EXACT_CAP, anchor=graph.anchor) is None
+        capped = all_lower_sets(graph.preds, cap=planner.resolve_exact_cap(None), anchor=graph.anchor) is None
     return {"planner": choice.solve_seconds, "capped": capped}
 
 
@@ -165,7 +165,11 @@ def table(rows: list, timeout: float) -> list[str]:
 def report(rows, caps, args) -> str:
     import torch
 
-    from fxremat.planner import DEFAULT_EXACT_CAP
+    from fxremat import _kernels
+    from fxremat.planner import resolve_exact_cap
+
+    with _kernels.use("cython"):
+        exact_cap = resolve_exact_cap(None)
 
     out = [
         "# Kusumoto DP solve time: pure-Python reference vs compiled kernels",
@@ -182,11 +186,11 @@ def report(rows, caps, args) -> str:
         "Columns: *prep* = enumerate the family + build its tables; *min peak* = one "
         "memory-centric solve; *time-centric* = one solve with the budget halfway between the least "
         "peak and the plain peak; *total* = their sum; *planner DP* = all DP solves of one "
-        "`planner.choose(budget=0.5)` call (about 17).",
+        "`planner.choose(budget=0.5)` call.",
         "",
         *table(rows, args.timeout),
         "",
-        f"With the planner's default cap (`DEFAULT_EXACT_CAP = {DEFAULT_EXACT_CAP:,}` lower sets), "
+        f"With the planner's default cap with the compiled kernels ({exact_cap:,} lower sets), "
         "`strategy='auto'` falls back to the approximate family on: "
         + (", ".join(TITLES[n] for n, capped in caps.items() if capped) or "none") + ".",
         "",
