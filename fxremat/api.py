@@ -1349,6 +1349,9 @@ class _State:
     (:class:`~fxremat.passes.trace.HookWatch`).
     """
 
+    # Defaults of what later versions added, so that a RematModule pickled before them loads.
+    warned_eval = False  # a backward ran through a call in eval mode (:func:`_warn_eval_backward`)
+
     def __init__(self, model, traced, config, leaf_modules=()):
         self.model = model
         self.traced = traced
@@ -1377,6 +1380,7 @@ class _State:
         self.warned_unfitted = False
         self.warned_hooks = False
         self.warned_saved_hooks = False  # user saved-tensor hooks around a step that recomputes
+        self.warned_eval = False
         self.compiled_checked: set = set()  # ids of plans checked for a torch.compile by hand
         self.last = None
         self.traced_bindings = attribute_bindings(traced, model) if traced is not None else ()
@@ -1397,24 +1401,44 @@ class _State:
         self.finish = _same if self.rebuild is None else _without_dynamo(self.rebuild)
 
     def entry(self, key: tuple):
-        """The cache entry of ``key``, unless a parameter that was frozen when it was planned
-        requires gradients now (unfreezing a backbone after a plan made with it frozen trained at
-        1.8x the budget: its gradients were not in the plan); then it is dropped, to be planned
-        again. Freezing more keeps the plan: it holds fewer gradients than planned."""
+        """The cache entry of ``key``, unless it no longer fits what trains: a parameter's dtype
+        changed since it was planned (``model.double()``, ``.half()``, ``.to(torch.bfloat16)``
+        after compiling a model of token ids, whose input signature stays the same: the float32
+        plan trained at 1.84x the budget in float64, 0.54x in bfloat16), then every plan and
+        profile is dropped, each measured in the old dtypes; or a parameter that was frozen when
+        it was planned requires gradients now (unfreezing a backbone after a plan made with it
+        frozen trained at 1.8x the budget: its gradients were not in the plan), then this one is
+        dropped. Either way it is planned again, which is not an eviction (no warning). Freezing
+        more keeps the plan: it holds fewer gradients than planned."""
         entry, then = self.cache.get(key), self.trained.get(key)
         if entry is None or then is None:
             return entry
-        trains = [d[name].requires_grad for d, name, _ in self.params]
-        if trains != then and any(now and not was for now, was in zip(trains, then)):
+        now = self._trains()
+        if now == then:
+            return entry
+        changed = [(qualified, was[0], is_[0]) for (_, _, qualified), was, is_ in zip(self.params, then, now)
+                   if was[0] != is_[0]]
+        if changed:
+            name, was, is_ = changed[0]
+            log.info("fxremat: %d parameters of %s changed dtype since they were planned (%s: %s -> %s); profiling "
+                     "and planning again", len(changed), type(self.model).__name__, name, was, is_)
+            self.retrace(self.traced)  # the same graph; every plan and profile made in the old dtypes dropped
+            return None
+        if any(is_[1] and not was[1] for was, is_ in zip(then, now)):
             log.info("fxremat: parameters of %s that were frozen when it was planned train now; planning again",
                      type(self.model).__name__)
             del self.cache[key]
+            self.planned.discard(hash(key))  # planned again for what trains now, not evicted
             return None
         return entry
 
+    def _trains(self) -> list[tuple]:
+        """``(dtype, requires_grad)`` of each parameter (one pass: it runs at every training step)."""
+        return [(d[name].dtype, d[name].requires_grad) for d, name, _ in self.params]
+
     def put(self, key: tuple, entry) -> None:
         self.cache[key] = entry
-        self.trained[key] = [d[name].requires_grad for d, name, _ in self.params]
+        self.trained[key] = self._trains()
 
     def trace_again(self) -> fx.GraphModule:
         """The model traced as it was first (the parameters defaulting to ``None`` as ``None``)."""
@@ -1519,7 +1543,13 @@ class _State:
         # and autotune times it so (a backend may be a function that does not pickle).
         return {**self.__dict__, "config": replace(self.config, backend="eager"), "cache": collections.OrderedDict(),
                 "emitted": collections.OrderedDict(), "timed": collections.OrderedDict(), "planned": set(),
-                "last": None}
+                "trained": {}, "last": None}
+
+    def __setstate__(self, state):
+        # What later versions added comes from the class's defaults; ``trained`` goes with the cache,
+        # empty after loading (a pickle of an older version kept it, in another form).
+        self.__dict__.update(state)
+        self.trained = {}
 
 
 def _called_modules(gm: fx.GraphModule) -> dict:
@@ -1538,7 +1568,8 @@ def _retrace_after_change(remat: "RematModule", what: str) -> None:
         return
     new = state.trace_again()
     if new.code == state.traced.code and _called_modules(new) == _called_modules(state.traced):
-        state.settings.refresh()
+        # the same graph; the modules' dicts watched anew (a container's edit may have replaced them)
+        state.settings = SettingsWatch(state.model, state.traced)
         return
     log.info("fxremat: %s on %s changed the traced graph; planning again on the next training step",
              what, type(state.model).__name__)
@@ -1704,6 +1735,26 @@ def _warn_hooks_recomputed(state: "_State", the_plan: Plan) -> None:
         f"(Shown once.)", stacklevel=4)
 
 
+def _warn_eval_backward(state: "_State", grad_outputs):
+    """A backward reached the output of a call made in ``eval()``: warn once. fxremat plans the
+    graph that trains (its trace bakes in ``self.training``: dropout on, BatchNorm on batch
+    statistics), so in eval mode it calls the model plainly, without recomputation, and that
+    backward holds every activation of the plain model."""
+    if state.warned_eval:
+        return None
+    state.warned_eval = True
+    warnings.warn(
+        f"fxremat.RematModule: a backward ran through a call of {type(state.model).__name__} in eval mode "
+        f"(after .eval(), with gradients enabled). In eval mode the compiled module runs the model plainly, without "
+        f"recomputation: its plans are made for training mode, whose trace bakes in self.training (dropout, "
+        f"BatchNorm's batch statistics), so this backward keeps every activation of the plain model, not the "
+        f"budget. To train within the budget call .train() on the compiled module (to keep some layers in eval "
+        f"behaviour, such as frozen BatchNorm statistics, call .eval() on those submodules only: the plan follows "
+        f"them); to evaluate without a backward, call it under torch.no_grad() or torch.inference_mode(). "
+        f"(Shown once.)", UserWarning, stacklevel=_user_stacklevel())
+    return None
+
+
 def _warn_unfitted(state: "_State", key: tuple) -> None:
     """Warn once when a signature is planned at a training step after the example inputs' plan
     was fitted to the compiled step's peak: this one is not measured, and the compiler's own
@@ -1722,12 +1773,25 @@ def _warn_unfitted(state: "_State", key: tuple) -> None:
 class _ModelForward(property):
     """:attr:`RematModule.forward`, a property; read on the class made for a model class
     (:func:`_remat_class`), that class's own ``forward``, for libraries that inspect it (Hugging
-    Face's Trainer finds a model's label names in ``inspect.signature(type(model).forward)``)."""
+    Face's Trainer finds a model's label names in ``inspect.signature(type(model).forward)``).
+    Assignable on an instance, as a module's ``forward`` is (``remat.forward = f``: calls run
+    ``f``; ``del remat.forward`` brings fxremat's back): torch.export's capture of a model holding
+    a RematModule keeps it whole so (:mod:`fxremat.passes.capture`), and so do libraries that
+    wrap a submodule's forward (the assignment raised "property 'forward' ... has no setter")."""
 
     def __get__(self, obj, owner=None):
         if obj is None:
             return owner.__dict__.get("_model_forward", self)
-        return super().__get__(obj, owner)
+        own = obj.__dict__.get("forward")
+        return super().__get__(obj, owner) if own is None else own
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__["forward"] = value
+
+    def __delete__(self, obj) -> None:
+        if obj.__dict__.pop("forward", None) is None:
+            raise AttributeError(f"{type(obj).__name__}.forward is fxremat's own; only a forward assigned to the "
+                                 f"instance can be deleted")
 
 
 class RematModule(torch.nn.Module):
@@ -1736,19 +1800,37 @@ class RematModule(torch.nn.Module):
 
     In training mode with gradients enabled, it runs the emitted GraphModule for the input
     signature (planning on first sight of a signature); in ``eval()`` or under
-    ``torch.no_grad()`` it runs the original model plainly.
+    ``torch.no_grad()`` it runs the original model plainly (a backward through a call made in
+    ``eval()`` is warned about, once). A model holding a RematModule, compiled in its turn, calls
+    it as one node.
     """
+
+    fxremat_compiled = True  # (:func:`fxremat.passes.trace.is_compiled`)
 
     def __init__(self, model: torch.nn.Module, traced: fx.GraphModule, config: _Config, *, leaf_modules=()):
         super().__init__()
         self._check_not_sharded(model)
         # Share the model's registries: identical state_dict keys, order and tensors.
-        self._modules = model._modules
-        self._parameters = model._parameters
-        self._buffers = model._buffers
-        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        for name in _REGISTRIES:
+            self.__dict__[name] = model.__dict__[name]
         self.training = model.training
         self._remat = _State(model, traced, config, leaf_modules)
+
+    def _share_registries(self) -> None:
+        """Share the model's registries again where it replaced one: ``nn.Sequential``'s ``del
+        seq[i]`` and ``pop`` make a new ``_modules`` dict (renumbered), and the RematModule's
+        ``state_dict`` kept the deleted module."""
+        model = self._remat.model
+        for name in _REGISTRIES:
+            if self.__dict__[name] is not model.__dict__[name]:
+                self.__dict__[name] = model.__dict__[name]
+
+    def _edited(self, what: str) -> None:
+        """After an edit of the model's submodules through a container method (``remat.append(m)``,
+        ``del remat[i]``): the registries shared again, the model traced again at the next training
+        step (where the graph changed, planned again; an edit may be one of several)."""
+        self._share_registries()
+        self._remat.deleted = what
 
     @staticmethod
     def _check_not_sharded(model: torch.nn.Module) -> None:
@@ -1897,7 +1979,24 @@ class RematModule(torch.nn.Module):
             if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
                 return self._transformed_call
             return self._training_call
+        if torch.is_grad_enabled() and not self._remat.warned_eval and not torch.compiler.is_compiling():
+            return self._eval_call
         return self._plain_forward
+
+    def _eval_call(self, *args, **kwargs):
+        """A call in ``eval()`` with gradients enabled: the model plainly, as in eval mode; where a
+        backward may run through it (a parameter requires gradients), the first backward that
+        does warns (:func:`_warn_eval_backward`). Until then a call costs a look at each parameter."""
+        state = self._remat
+        out = state.model(*args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:  # torch.func differentiates it itself
+            return out
+        if not any(d[name].requires_grad for d, name, _ in state.params):
+            return out  # frozen (feature extraction, an attack on the inputs): nothing of the model trains
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor) and x.grad_fn is not None:
+                x.grad_fn.register_prehook(functools.partial(_warn_eval_backward, state))
+        return out
 
     def _transformed_call(self, *args, **kwargs):
         """A call inside a ``torch.func`` transform (``grad``, ``vjp``, ``jacrev``, ``vmap``): the
@@ -1969,6 +2068,9 @@ class RematModule(torch.nn.Module):
         (:class:`~fxremat.passes.trace.SettingsWatch`: ``block.drop_prob = 0.2``, ``block.eval()``,
         a submodule replaced)."""
         state = self._remat
+        if self.__dict__["_modules"] is not state.model.__dict__["_modules"]:
+            # the model's own container method made a new dict (``del model[i]`` on an nn.Sequential)
+            self._edited("the model's submodules replaced")
         if state.hooks.changed():
             log.info("fxremat: the submodules of %s with hooks changed; tracing and planning again",
                      type(state.model).__name__)
@@ -2147,7 +2249,19 @@ def load_plan(path, *, model: torch.nn.Module | None = None, example_inputs=None
 
 # The RematModule class made for each model class (:func:`_remat_class`).
 _REMAT_CLASSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_SIGNED_CALLS = ("_training_call", "_plain_forward", "_transformed_call")  # what RematModule.forward returns
+_SIGNED_CALLS = ("_training_call", "_plain_forward", "_transformed_call",  # what RematModule.forward returns
+                 "_eval_call")
+_REGISTRIES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")  # shared with the model
+# Container methods Python looks up on the class (``remat[0]``, ``len(remat)``, ``for m in remat``,
+# ``remat += [m]``): forwarded to the model where its class has them. Those that edit its submodules
+# (the dunder ones whatever the class; the named ones of torch's containers, which otherwise reach
+# the model through __getattr__) make the RematModule trace again at the next training step.
+_CONTAINER_DUNDERS = ("__getitem__", "__setitem__", "__delitem__", "__len__", "__iter__", "__reversed__",
+                      "__contains__", "__add__", "__radd__", "__iadd__", "__mul__", "__rmul__", "__imul__")
+_EDITING_DUNDERS = frozenset(("__setitem__", "__delitem__", "__iadd__", "__imul__"))
+_CONTAINER_EDITS = {torch.nn.Sequential: ("append", "insert", "extend", "pop"),
+                    torch.nn.ModuleList: ("append", "insert", "extend", "pop"),
+                    torch.nn.ModuleDict: ("pop", "clear", "update")}
 
 
 def _remat_class(model_class: type) -> type:
@@ -2155,20 +2269,56 @@ def _remat_class(model_class: type) -> type:
     the class or on an instance, has ``model_class.forward``'s parameters, as libraries read them.
     Hugging Face's Trainer finds the label names in ``type(model).forward`` (a plain RematModule's
     ``forward`` property failed its construction) and drops the dataset columns that
-    ``model.forward`` does not name (``(*args, **kwargs)`` dropped every input)."""
+    ``model.forward`` does not name (``(*args, **kwargs)`` dropped every input). The container
+    methods of ``model_class`` are forwarded (:func:`_container_methods`): a compiled
+    ``nn.Sequential`` is indexed, counted, iterated and edited as the model."""
     cls = _REMAT_CLASSES.get(model_class)
     if cls is not None:
         return cls
     try:
         signature = inspect.signature(model_class.forward)
     except (TypeError, ValueError):  # a forward inspect cannot read: libraries cannot read it either
+        signature = None
+    forwarded = _container_methods(model_class)
+    if signature is None and not forwarded:
         return RematModule
-    namespace = {"_model_class": model_class, "_model_forward": model_class.forward,
-                 "__module__": RematModule.__module__, "__doc__": RematModule.__doc__}
-    for name in _SIGNED_CALLS:
-        namespace[name] = _signed(getattr(RematModule, name), signature)
+    namespace = {"_model_class": model_class, "__module__": RematModule.__module__, "__doc__": RematModule.__doc__,
+                 **forwarded}
+    if signature is not None:
+        namespace["_model_forward"] = model_class.forward
+        for name in _SIGNED_CALLS:
+            namespace[name] = _signed(getattr(RematModule, name), signature)
     cls = _REMAT_CLASSES[model_class] = type(f"RematModule[{model_class.__name__}]", (RematModule,), namespace)
     return cls
+
+
+def _container_methods(model_class: type) -> dict:
+    """``{name: method}`` forwarding the container methods ``model_class`` has (see
+    :data:`_CONTAINER_DUNDERS`, :data:`_CONTAINER_EDITS`) to a RematModule's model."""
+    methods = {name: _forwarded(name, name in _EDITING_DUNDERS)
+               for name in _CONTAINER_DUNDERS if getattr(model_class, name, None) is not None}
+    for container, names in _CONTAINER_EDITS.items():
+        if issubclass(model_class, container):
+            methods.update((name, _forwarded(name, True)) for name in names)
+    return methods
+
+
+def _forwarded(name: str, edits: bool):
+    """RematModule's method ``name``: the model's, called; where it returns the model (``append``,
+    ``+=``), the RematModule instead (``remat += [m]`` rebound ``remat`` to the plain model)."""
+    def method(self, *args, **kwargs):
+        model = self._remat.model
+        result = getattr(model, name)(*args, **kwargs)
+        if edits:
+            self._edited(f"{type(model).__name__}.{name} on the compiled module")
+        else:
+            self._share_registries()
+        return self if result is model else result
+
+    method.__name__ = name
+    method.__qualname__ = f"RematModule.{name}"
+    method.__doc__ = f"The model's ``{name}`` (:func:`_forwarded`)."
+    return method
 
 
 def _signed(fn, signature: inspect.Signature):

@@ -75,8 +75,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
 from .profile import PlainForward, forward_bytes, preserved_state
-from .trace import (function_call, functions_routed, hooked_modules, own_checkpoint_warning, own_checkpoints_seen,
-                    python_draws_warned, restore_modes, trace, user_line, user_stack_line, varargs_reason)
+from .trace import (function_call, functions_routed, hooked_modules, is_compiled, own_checkpoint_warning,
+                    own_checkpoints_seen, python_draws_warned, restore_modes, trace, user_line, user_stack_line,
+                    varargs_reason)
 
 __all__ = ["Captured", "capture_call", "tensor_leaves"]
 
@@ -757,14 +758,17 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     if added:
         log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
     classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+    # compiled submodules (RematModules) are kept whole too: each runs its own plan
     given = {path: m for path, m in model.named_modules()
-             if path and (path in leaf_modules or isinstance(m, classes))}
+             if path and (path in leaf_modules or isinstance(m, classes) or is_compiled(m))}
     given = {p: m for p, m in given.items() if not any(p.startswith(o + ".") for o in given)}  # outermost
     hooked = sorted(given.keys() & hooked_modules(model))
     if hooked:
-        raise TypeError(f"fxremat: leaf_modules keeps submodule {hooked[0]!r} whole in a model captured with "
-                        f"torch.export, but it has user hooks, which the captured graph would run twice; remove its "
-                        f"hooks, or leave it out of leaf_modules")
+        compiled = is_compiled(given[hooked[0]])
+        why = "it is a compiled RematModule, kept whole" if compiled else "leaf_modules keeps it whole"
+        fix = "remove its hooks" + ("" if compiled else ", or leave it out of leaf_modules")
+        raise TypeError(f"fxremat: submodule {hooked[0]!r} has user hooks and {why} in a model captured with "
+                        f"torch.export, where its hooks would run twice; {fix}")
     exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given)
     if checkpoints:
         warnings.warn(own_checkpoint_warning(model, checkpoints[0]), stacklevel=3)

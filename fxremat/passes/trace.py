@@ -261,7 +261,8 @@ class _LeafTracer(fx.Tracer):
         raise _PythonValueError(self, obj.node, "bool")
 
     def is_leaf_module(self, m: torch.nn.Module, qualname: str) -> bool:
-        if qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)) or has_hooks(m):
+        if (qualname in self.leaf_names or (self.leaf_classes and isinstance(m, self.leaf_classes)) or has_hooks(m)
+                or is_compiled(m)):
             return True
         if type(m) in _TRACED_TORCH_MODULES and m.training:  # torch.nn's, traced through (see there)
             return False
@@ -314,6 +315,15 @@ class _LeafTracer(fx.Tracer):
             self.events.append(("exit", path))
         self.stack.pop()
         return out
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an :class:`fxremat.RematModule` (its class says so): a model holding
+    one, compiled in its turn, calls it whole, as one node that runs its own plan. Traced through,
+    its forward (a property choosing the training call) ran fxremat's planning on proxies and
+    failed, and the submodule was kept whole only after a warning; captured, keeping it whole
+    failed on its ``forward``, then a property without a setter."""
+    return getattr(type(module), "fxremat_compiled", False) is True
 
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -446,12 +456,20 @@ class SettingsWatch:
     - Read by a leaf (a ``call_module`` node) when it is called, but measured into the plan:
       its ``training`` and its float attributes (``Dropout.p``: at 0 dropout keeps no mask, and a
       plan made then measured 1.33x its budget at ``p=0.5``).
+    - How many submodules each module traced through holds: one added (``seq.append(block)``,
+      ``layers.extend(...)``) is no value watched above, and the compiled graph, without it,
+      trained silently.
 
     Costs ~0.1 µs a watched value a step (a few hundred on timm's ResNet-50 or ViT-S)."""
+
+    # Defaults of what later versions added, for a watch pickled (with its RematModule) before them.
+    counted: tuple = ()
+    counts: list = []  # (never changed in place: replaced by each look)
 
     def __init__(self, model: torch.nn.Module, traced: fx.GraphModule | None):
         leaves = {n.target for n in traced.graph.nodes if n.op == "call_module"} if traced is not None else set()
         self.where, self.leaf = [], []  # ((module.__dict__, name), "path.name"), whether a leaf's
+        self.counted: list[tuple[dict, str]] = []  # (module._modules, path) of each module traced through
         for path, module in model.named_modules():
             if isinstance(module, torch.jit.ScriptModule):
                 # TorchScript compiled its settings in, and torch.fx calls it whole (``mid._c``'s
@@ -464,32 +482,42 @@ class SettingsWatch:
                                                  else _is_setting(value)):
                     self.where.append(((vars(module), name), prefix + name))
                     self.leaf.append(leaf)
-            if not leaf:  # its submodules: the values of module._modules
+            if not leaf:  # its submodules: the values of module._modules, and how many there are
                 self.where += [((module._modules, name), prefix + name) for name in module._modules]
                 self.leaf += [False] * len(module._modules)
+                self.counted.append((module._modules, path or "the model"))
         self.keys = [key for key, _ in self.where]
         self.values = self._now()
+        self.counts = self._counts()
 
     def _now(self) -> list:
         return [d.get(name) for d, name in self.keys]
+
+    def _counts(self) -> list[int]:
+        return [len(d) for d, _ in self.counted]
 
     def refresh(self) -> None:
         """Take the values as they are now: after code that runs the forward's Python (a trace, a
         capture), whose side effects (``self.calls += 1``) change no graph."""
         self.values = self._now()
+        self.counts = self._counts()
 
     def changed(self) -> tuple[str, bool] | None:
         """What changed since the last look (``"blocks.0.drop_prob = 0.2"``) and whether only
-        leaves' settings did, or None. (One list built and compared: ~0.1 µs a value.)"""
-        now = self._now()
-        if now == self.values:
+        leaves' settings did, or None. (Two lists built and compared: ~0.1 µs a value.)"""
+        now, counts = self._now(), self._counts()
+        if now == self.values and counts == self.counts:
             return None
         moved = [i for i, (a, b) in enumerate(zip(now, self.values)) if a is not b and a != b]
-        self.values = now
-        if not moved:
-            return None
-        first = moved[0]
-        return f"{self.where[first][1]} = {now[first]!r}"[:200], all(self.leaf[i] for i in moved)
+        grown = [i for i, (a, b) in enumerate(zip(counts, self.counts)) if a != b]
+        was, self.values, self.counts = self.counts, now, counts
+        if moved:
+            first = moved[0]
+            return f"{self.where[first][1]} = {now[first]!r}"[:200], all(self.leaf[i] for i in moved)
+        if grown:
+            first = grown[0]
+            return f"{self.counted[first][1]} holds {counts[first]} submodules (was {was[first]})", False
+        return None
 
 
 class _PythonValueError(fx.proxy.TraceError, TypeError):
