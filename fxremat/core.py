@@ -177,6 +177,66 @@ class CostGraph:
     def n(self) -> int:
         return len(self.names)
 
+    def __getstate__(self) -> dict:
+        """The fields alone: what the cached properties derive from them is made again after
+        loading, not pickled beside them."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict) -> None:
+        names = {f.name for f in fields(self)}  # (a pickle from before this held derived data too)
+        self.__dict__.update({name: value for name, value in state.items() if name in names})
+
+    # -- per-node data derived from the fields, computed once per graph (a CostGraph is frozen:
+    # dataclasses.replace makes a new one, with nothing cached) and read by each simulation
+
+    @cached_property
+    def pred_roots(self) -> tuple[tuple[int, ...], ...]:
+        """The owners of the values each node reads (each once)."""
+        return tuple(tuple({self.root[p] for p in ps}) for ps in self.preds)
+
+    @cached_property
+    def reader_counts(self) -> tuple[int, ...]:
+        """How many nodes read a value owned by each node (through views)."""
+        counts = [0] * self.n
+        for rs in self.pred_roots:
+            for r in rs:
+                counts[r] += 1
+        return tuple(counts)
+
+    @cached_property
+    def output_roots(self) -> frozenset[int]:
+        """The owners of the graph's outputs."""
+        return frozenset(self.root[v] for v in range(self.n) if self.is_output[v])
+
+    @cached_property
+    def saving(self) -> tuple[bool, ...]:
+        """:meth:`saves_tensors` of each node."""
+        return tuple(self.saves_tensors(v) for v in range(self.n))
+
+    @cached_property
+    def reached(self) -> frozenset[int]:
+        """Nodes whose backward runs: the outputs with a gradient (:meth:`gradient_outputs`) and,
+        backwards, their inputs that take one."""
+        reached = set(self.gradient_outputs())
+        for v in reversed(range(self.n)):
+            if v in reached:
+                reached.update(p for p in self.preds[v] if self.grad_bytes[p])
+        return frozenset(reached)
+
+    @cached_property
+    def shared_param_steps(self) -> dict[int, tuple[tuple[int, int, bool, bool], ...]]:
+        """Node -> ``(index, bytes, first, last)`` of each shared parameter (``shared_params``) it
+        reads, where two or more of its readers are :attr:`reached`: whether the node's backward
+        is the first or the last of theirs (the backward runs its readers in reverse)."""
+        at: dict[int, list[tuple[int, int, bool, bool]]] = {}
+        for i, (nbytes, readers) in enumerate(self.shared_params):
+            readers = [v for v in readers if v in self.reached]
+            if len(readers) < 2:
+                continue
+            for v in readers:
+                at.setdefault(v, []).append((i, nbytes, v == readers[-1], v == readers[0]))
+        return {v: tuple(steps) for v, steps in at.items()}
+
     @cached_property
     def ordered_preds(self) -> tuple[tuple[int, ...], ...]:
         """Data and ordering edges into each node."""

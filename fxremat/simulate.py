@@ -32,7 +32,7 @@ from its forward to its backward's end, and those its recomputation takes while 
 
 from __future__ import annotations
 
-from .core import CostGraph, Schedule, Timeline, exits
+from .core import CostGraph, Schedule, Timeline
 
 __all__ = ["simulate", "predicted_timeline", "rerun_time", "partitioned_rerun_time", "mechanism_time"]
 
@@ -85,16 +85,10 @@ class _SharedParams:
     its first reader's backward to its last's, adding the others to it out of place."""
 
     def __init__(self, graph: CostGraph, mem: _Memory):
-        reached = _reached(graph)
         self.mem = mem
-        self.at: dict[int, list[tuple[int, int, bool, bool]]] = {}  # v -> (param, bytes, first, last)
+        # v -> (param, bytes, first, last); empty where no shared parameter is reached twice
+        self.at: dict[int, tuple[tuple[int, int, bool, bool], ...]] = graph.shared_param_steps
         self.cast = set(graph.cast_shared)
-        for i, (nbytes, readers) in enumerate(graph.shared_params):
-            readers = [v for v in readers if v in reached]
-            if len(readers) < 2:
-                continue
-            for v in readers:
-                self.at.setdefault(v, []).append((i, nbytes, v == readers[-1], v == readers[0]))
 
     def summed(self, v: int) -> list[int]:
         """Bytes of the sums v's backward makes into shared parameters' buffers (not those of casts
@@ -161,24 +155,17 @@ class _Casts:
                 self.mem.free(("c", region, c))
 
 
-def _reached(graph: CostGraph) -> set[int]:
-    """Nodes whose backward runs: the outputs with a gradient and, backwards, their inputs that
-    take one."""
-    reached = set(graph.gradient_outputs())
-    for v in reversed(range(graph.n)):
-        if v in reached:
-            reached.update(p for p in graph.preds[v] if graph.grad_bytes[p])
-    return reached
-
-
 class _Memory:
-    """Live bytes keyed by value ("f", v) forward copy, ("r", v) recomputed copy, ("g", v) grad."""
+    """Live bytes keyed by value ("f", v) forward copy, ("r", v) recomputed copy, ("g", v) grad.
+    The bytes after each event are kept (``timeline``) only where ``record``; the peak always."""
 
-    def __init__(self):
+    __slots__ = ("live", "total", "peak", "timeline")
+
+    def __init__(self, record: bool = True):
         self.live: dict = {}
         self.total = 0
         self.peak = 0
-        self.timeline: list[int] = []
+        self.timeline: list[int] | None = [] if record else None
 
     def alloc(self, key, nbytes: int, transient: int = 0) -> None:
         if key not in self.live:
@@ -201,92 +188,152 @@ class _Memory:
         self.total -= nbytes
 
     def note(self, transient: int = 0) -> None:
-        self.peak = max(self.peak, self.total + transient)
-        self.timeline.append(self.total + transient)
+        now = self.total + transient
+        if now > self.peak:
+            self.peak = now
+        if self.timeline is not None:
+            self.timeline.append(now)
 
 
-def _holders(graph: CostGraph, schedule: Schedule):
-    """For every owner: the set of forward consumers (through views) and of backward holders."""
-    seg_of = {v: i for i, seg in enumerate(schedule.segments) for v in seg}
-    uses = {v: set() for v in range(graph.n)}
-    for v in range(graph.n):
-        for p in graph.preds[v]:
-            uses[graph.root[p]].add(v)
-    holds = {v: set() for v in range(graph.n)}
-    for v in range(graph.n):
-        s = seg_of[v]
-        if not schedule.recomputed[s]:
-            for o in graph.saved[v]:
-                holds[o].add(("node", v))
-        for p in graph.preds[v]:
-            r = graph.root[p]
-            if seg_of[r] != s and schedule.recomputed[s]:
-                holds[r].add(("segment", s))
-    return seg_of, uses, holds
+# Who holds a value in the backward, as set members: a node's backward (the node's index, >= 0)
+# or a checkpoint's (``~i`` of its segment's index i, < 0).
+
+
+def _segment_of(graph: CostGraph, schedule: Schedule) -> list[int]:
+    """Each node's segment; ``ValueError`` where the schedule misses a node or names one the graph
+    does not have."""
+    n = graph.n
+    seg_of = [-1] * n
+    for i, seg in enumerate(schedule.segments):
+        for v in seg:
+            if not 0 <= v < n:
+                raise ValueError(f"fxremat.simulate: segment {i} of the schedule holds node {v!r}, but the graph "
+                                 f"has nodes 0..{n - 1}; plan on this graph (a schedule made for another graph "
+                                 "does not fit it)")
+            seg_of[v] = i
+    if -1 in seg_of:
+        missing = [v for v in range(n) if seg_of[v] == -1]
+        shown = ", ".join(f"{v} ({graph.names[v]})" for v in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"fxremat.simulate: the schedule runs no segment holding node {shown} "
+                         f"({len(missing)} of {n} nodes missing); every node of the graph must be in one "
+                         "segment (Schedule.plain, Schedule.from_lower_sets, or a plan of this graph)")
+    return seg_of
+
+
+def _holders(graph: CostGraph, schedule: Schedule, seg_of: list[int]):
+    """For every owner, its backward holders (``None``: none): the nodes of kept segments that save
+    it, and the checkpoints whose segments read it from outside; and, per checkpointed segment,
+    the owners it holds (ascending)."""
+    holds: list[set[int] | None] = [None] * graph.n
+    held_by: dict[int, set[int]] = {}
+    recomputed, saved, pred_roots = schedule.recomputed, graph.saved, graph.pred_roots
+    for v, s in enumerate(seg_of):
+        if not recomputed[s]:
+            for o in saved[v]:
+                h = holds[o]
+                if h is None:
+                    holds[o] = h = set()
+                h.add(v)
+        else:
+            for r in pred_roots[v]:
+                if seg_of[r] != s:
+                    h = holds[r]
+                    if h is None:
+                        holds[r] = h = set()
+                    h.add(~s)
+                    held_by.setdefault(s, set()).add(r)
+    return holds, {s: sorted(rs) for s, rs in held_by.items()}
+
+
+def _held_by_others(holders: set[int] | None, v: int) -> bool:
+    """Whether anything beyond v's backward holds a value (``holders`` as :func:`_holders` gives)."""
+    return holders is not None and len(holders) > (v in holders)
 
 
 def simulate(graph: CostGraph, schedule: Schedule, *, timeline: bool = False):
-    """Return the predicted peak bytes (and the memory timeline if ``timeline``)."""
-    seg_of, uses, holds = _holders(graph, schedule)
-    mem = _Memory()
-    pending = {v: set(u) for v, u in uses.items()}
-    outputs = {graph.root[v] for v in range(graph.n) if graph.is_output[v]}
+    """Return the predicted peak bytes (and the memory timeline if ``timeline``; without it the
+    timeline is not built). ``ValueError`` where ``schedule`` does not run every node of
+    ``graph`` once."""
+    seg_of = _segment_of(graph, schedule)
+    holds, held_by = _holders(graph, schedule, seg_of)
+    mem = _Memory(timeline)
+    pending = list(graph.reader_counts)  # readers of each owner's value still to run in the forward
+    outputs = graph.output_roots
+    casts = _forward(graph, schedule, mem, holds, pending, outputs)
+    grads = _Grads(mem, graph)
+    for v in graph.gradient_outputs():
+        grads.give(v, graph.grad_bytes[v])
+    mem.note(graph.loss_bytes)
+    for s in reversed(range(len(schedule.segments))):
+        _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs, held_by.get(s, ()))
+    return (mem.peak, mem.timeline) if timeline else mem.peak
 
+
+def _forward(graph: CostGraph, schedule: Schedule, mem: _Memory, holds, pending: list[int], outputs) -> _Casts:
+    """The forward over ``schedule``'s segments (see the module docstring); returns autocast's
+    cached casts as the backward finds them."""
+    unsaved = graph.unsaved_item_bytes
     shrunk = set()
 
-    def maybe_free(r, copy="f"):
+    def maybe_free(r):
         if pending[r] or r in outputs:
             return
-        if not holds[r]:
-            mem.free((copy, r))
-        elif graph.unsaved_item_bytes and r not in shrunk and all(kind == "node" for kind, _ in holds[r]):
+        h = holds[r]
+        if not h:
+            mem.free(("f", r))
+        elif unsaved and r not in shrunk and all(k >= 0 for k in h):
             shrunk.add(r)  # only backwards hold it, which save none of its unsaved items: those go
-            mem.shrink((copy, r), graph.unsaved_item_bytes[r])
+            mem.shrink(("f", r), unsaved[r])
 
     snapshots = _snapshots(graph, schedule)
     casts = _Casts(graph, mem)
     dropped = graph.dropped_after
     gone = set()
+    cast_bytes, held_bytes, saved, pred_roots = graph.cast_bytes, graph.held_bytes, graph.saved, graph.pred_roots
+    out_bytes, extra_bytes, transient_bytes = graph.out_bytes, graph.extra_bytes, graph.transient_bytes
     for seg, rec in zip(schedule.segments, schedule.recomputed):
         for v in seg:
-            for path, nbytes in snapshots.get(v, ()):  # copies of the buffers a checkpoint starting at v reads
-                mem.hold(("snap", path), nbytes)
+            if snapshots:  # copies of the buffers a checkpoint starting at v reads
+                for path, nbytes in snapshots.get(v, ()):
+                    mem.hold(("snap", path), nbytes)
             # the node's transient (its peak beyond what it leaves: out, cached casts, extra saved
             # buffers) is counted on top of all it leaves, with its last allocation; in a recomputed
             # segment its extra buffers are made too, and go when the checkpoint drops them
-            last = "x" if not rec else "c" if graph.cast_bytes else "f"
-            transient = graph.transient_bytes[v] + (graph.extra_bytes[v] if rec else 0)
-            if graph.held_bytes:  # what its module keeps from its call (a hook's weight) stays to the end
-                mem.hold(("h", v), graph.held_bytes[v])
-            mem.alloc(("f", v), graph.out_bytes[v], transient if last == "f" else 0)
-            if graph.cast_bytes:
-                casts.run((), v, transient if last == "c" else 0)
+            transient = transient_bytes[v] + (extra_bytes[v] if rec else 0)
+            if held_bytes:  # what its module keeps from its call (a hook's weight) stays to the end
+                mem.hold(("h", v), held_bytes[v])
             if not rec:
-                mem.alloc(("x", v), graph.extra_bytes[v], transient)
-            for r in {graph.root[p] for p in graph.preds[v]}:
-                pending[r].discard(v)
-                maybe_free(r)
-            maybe_free(v)
-            for d in dropped.get(v, ()):  # what no output descends from goes with its autograd record
-                gone.add(d)
-                mem.free(("x", d))
-                for o in graph.saved[d]:
-                    holds[o].discard(("node", d))
-                    maybe_free(o)
-    if graph.cast_bytes:  # autocast's cache goes when the forward's autocast region exits
+                mem.alloc(("f", v), out_bytes[v])
+                if cast_bytes:
+                    casts.run((), v)
+                mem.alloc(("x", v), extra_bytes[v], transient)
+            elif cast_bytes:
+                mem.alloc(("f", v), out_bytes[v])
+                casts.run((), v, transient)
+            else:
+                mem.alloc(("f", v), out_bytes[v], transient)
+            for r in pred_roots[v]:
+                pending[r] -= 1
+                if not pending[r]:
+                    maybe_free(r)
+            if not pending[v]:
+                maybe_free(v)
+            if v in dropped:  # what no output descends from goes with its autograd record
+                for d in dropped[v]:
+                    gone.add(d)
+                    mem.free(("x", d))
+                    for o in saved[d]:
+                        if holds[o] is not None:
+                            holds[o].discard(d)
+                        maybe_free(o)
+    if cast_bytes:  # autocast's cache goes when the forward's autocast region exits
         # the loss is computed inside that region, beside the cache (a VAE's float32 log-softmax and
         # targets at its forward's end: 1.05x its budget at "min" where the cache had gone first)
         mem.note(graph.loss_forward_bytes)
         # (a node gone with its autograd record saves nothing)
         casts.exit((), [v for seg, rec in zip(schedule.segments, schedule.recomputed) if not rec for v in seg
                         if v not in gone])
-    grads = _Grads(mem, graph)
-    for v in graph.gradient_outputs():
-        grads.give(v, graph.grad_bytes[v])
-    mem.note(graph.loss_bytes)
-    for s in reversed(range(len(schedule.segments))):
-        _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs)
-    return (mem.peak, mem.timeline) if timeline else mem.peak
+    return casts
 
 
 def _checkpoints(seg, inner: Schedule | None, path: tuple) -> list[tuple[tuple, tuple[int, ...]]]:
@@ -343,47 +390,61 @@ def _grad_step(graph: CostGraph, v: int, mem: _Memory, grads: _Grads, casts: _Ca
     transient where another node holds the same buffer (:func:`_released`). ``held_on``: what of
     the inputs v saves its transient lets go and the step keeps (:func:`_held_on`).
     """
+    of = grads.of
+    if v not in of:  # a node no gradient reaches runs no backward (a dropped branch's split)
+        _no_grad_step(graph, v, mem, casts)
+        return
     share = v if graph.grad_alias[v] else None
-    released = _released(graph, v, grads)
+    released = _released(graph, v, grads) if graph.bwd_released_bytes else 0
+    grad_bytes = graph.grad_bytes
     again = []  # inputs that already have a gradient
-    if v in grads.of:
-        for p in graph.preds[v]:
-            if not graph.grad_bytes[p]:
-                continue
-            if p in grads.of:
+    shared = v in grads.shared.at  # it reads a shared parameter
+    for p in graph.preds[v]:
+        nbytes = grad_bytes[p]
+        if nbytes:
+            if p in of:
                 again.append(p)
             else:
-                grads.give(p, graph.grad_bytes[p], share)
-    incoming = 0 if share is not None else sum(graph.grad_bytes[p] for p in again)
+                grads.give(p, nbytes, share)
+    incoming = 0 if share is not None else sum(grad_bytes[p] for p in again)
     # a shared cast whose gradient v completes: the sum so far is let go when v's own has been added
     # to it, after v's op (whose transient, measured alone, holds the copy of that new sum); v's op
     # makes its own gradients of the casts it read beside it (a Linear called thrice, its first call
     # recomputed: 1.06x the budget at "min" where the sum was let go first)
-    ends = grads.shared.cast_ends(v) if v in grads.of else []
+    ends = grads.shared.cast_ends(v) if shared else []
     if ends:
         mem.note(incoming + sum(graph.cast_bytes[c] for c in graph.cast_reads[v]))
     for i, _ in ends:
         mem.free(("p", i))
-    if v in grads.of:  # a node no gradient reaches runs no backward (a dropped branch's split)
-        mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
-    sums = [graph.grad_bytes[p] for p in again]
-    if v in grads.of:
+    mem.note(incoming + graph.bwd_transient_bytes[v] + released + held_on)
+    sums = [grad_bytes[p] for p in again]
+    if shared:
         sums += grads.shared.summed(v)
     grads.drop(v)  # the backward returned: its incoming gradient and extra buffers are let go
     mem.free(("x", v))
-    casts.release(v)
+    if graph.cast_bytes:
+        casts.release(v)
     for _, nbytes in ends:  # the old sum, v's own gradient and the new sum at once
         mem.note(incoming + 3 * nbytes)
     if sums:
         params = min(graph.param_grad_bytes[v], graph.bwd_transient_bytes[v])
         mem.note(incoming + params + max(sums))
     for p in again:
-        grads.resum(p, graph.grad_bytes[p])
-    if v in grads.of:
+        grads.resum(p, grad_bytes[p])
+    if shared:
         grads.shared.after(v)
     if graph.param_grads_held and graph.param_grad_bytes[v]:
         # one compiled backward graph: v's parameter gradients wait for its end (an upper bound
         # for a parameter read by several nodes, whose gradients the graph sums into one)
+        mem.alloc(("pg", v), graph.param_grad_bytes[v])
+
+
+def _no_grad_step(graph: CostGraph, v: int, mem: _Memory, casts: _Casts) -> None:
+    """:func:`_grad_step` of a node no gradient reaches: it runs no backward, what it saved goes."""
+    mem.free(("x", v))
+    if graph.cast_bytes:
+        casts.release(v)
+    if graph.param_grads_held and graph.param_grad_bytes[v]:
         mem.alloc(("pg", v), graph.param_grad_bytes[v])
 
 
@@ -392,9 +453,6 @@ def _tail(graph: CostGraph, v: int, mem: _Memory) -> None:
     pre-hook's weight), once v's own op let go of its incoming gradient and of what it saved."""
     if graph.bwd_tail_bytes and graph.bwd_tail_bytes[v]:
         mem.note(graph.bwd_tail_bytes[v])
-
-
-_RETURNED = -1  # a consumer standing for the return of a recomputed segment's outputs
 
 
 def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
@@ -409,8 +467,9 @@ def _stop(graph: CostGraph, inner: Schedule) -> tuple[int, bool] | None:
         if rec:
             found = (pos, False)
         else:
+            saving = graph.saving
             for k, v in enumerate(sub):
-                if graph.saves_tensors(v):
+                if saving[v]:
                     found = (pos + k, graph.saves_after_running(v))
         pos += len(sub)
     return found
@@ -493,31 +552,37 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
     """
     members = set(seg)
     sub_of = {v: i for i, sub in enumerate(inner.segments) for v in sub}
-    needed = {v: set() for v in seg}
-    holds = {v: set() for v in seg}
+    # per member: how many of its readers in seg are still to run again (one more where seg returns
+    # it), and its backward holders as in _holders (nodes of kept inner segments, inner checkpoints)
+    needed = dict.fromkeys(seg, 0)
+    holds: dict[int, set[int]] = {v: set() for v in seg}
+    held_by: dict[int, list[int]] = {}  # inner checkpoint -> the members it holds
+    pred_roots, saved, saving = graph.pred_roots, graph.saved, graph.saving
     for v in seg:
         i = sub_of[v]
-        for p in graph.preds[v]:
-            r = graph.root[p]
+        rec = inner.recomputed[i]
+        for r in pred_roots[v]:
             if r in members:
-                needed[r].add(v)
-                if inner.recomputed[i] and sub_of[r] != i:
-                    holds[r].add(("segment", i))
-        if not inner.recomputed[i]:
-            for o in graph.saved[v]:
+                needed[r] += 1
+                if rec and sub_of[r] != i and ~i not in holds[r]:
+                    holds[r].add(~i)
+                    held_by.setdefault(i, []).append(r)
+        if not rec:
+            for o in saved[v]:
                 if o in members:
-                    holds[o].add(("node", v))
-    for v in exits(graph, members):
-        if graph.root[v] in members:
-            needed[graph.root[v]].add(_RETURNED)
-    key = lambda v: ("r", depth, v)  # noqa: E731
+                    holds[o].add(v)
+    # what the segment returns (as exits() finds it) is read once its recomputation ends
+    is_output, succs, root = graph.is_output, graph.succs, graph.root
+    for r in {root[v] for v in seg if is_output[v] or not members.issuperset(succs[v])}:
+        if r in members:
+            needed[r] += 1
     order = [v for sub in inner.segments for v in sub]
     stop = _stop(graph, inner)
     recomputed = False
 
     def maybe_free(r):
         if not needed[r] and not holds[r]:
-            mem.free(key(r))
+            mem.free(("r", depth, r))
 
     def recompute():
         nonlocal recomputed
@@ -549,20 +614,20 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             if graph.held_bytes and graph.held_bytes[v]:
                 # its module's attributes made again (a hook's weight) while it still holds the forward's
                 mem.note(graph.held_bytes[v])
-            mem.alloc(key(v), graph.out_bytes[v], transient if last == "f" else 0)
+            mem.alloc(("r", depth, v), graph.out_bytes[v], transient if last == "f" else 0)
             if graph.cast_bytes:  # the recomputation runs in an autocast region of its own
                 casts.run(path, v, transient if last == "c" else 0)
             if kept:
                 mem.alloc(("x", v), graph.extra_bytes[v], transient)
-            for r in {graph.root[p] for p in graph.preds[v]}:
+            for r in pred_roots[v]:
                 if r in members:
-                    needed[r].discard(v)
+                    needed[r] -= 1
                     maybe_free(r)
             maybe_free(v)
         if cast_only is not None:
             casts.run(path, cast_only)
         for v in ran:  # the early stop: consumers after it never run
-            needed[v].clear()
+            needed[v] = 0
             maybe_free(v)
         mem.free(("rs", path))
         for found in snapshots.values():
@@ -578,13 +643,12 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             deeper = inner.inner_of(i) or Schedule((sub,), (False,))
             _backward_nested(graph, sub, deeper, mem, grads, casts, depth + 1, recompute, path + (i,))
             mem.free(("snap", path + (i,)))
-            for r in members:
-                if ("segment", i) in holds[r]:
-                    holds[r].discard(("segment", i))
-                    maybe_free(r)
+            for r in held_by.get(i, ()):
+                holds[r].discard(~i)
+                maybe_free(r)
             continue
         for v in reversed(sub):
-            if graph.saves_tensors(v):
+            if saving[v]:
                 # what v's backward made before its first unpack lives through the recomputation
                 # that unpack starts (CopySlices' base-sized gradients; see CostGraph)
                 early = 0 if recomputed else (
@@ -594,40 +658,44 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
                 recompute()
                 mem.free(("u", v))
             _grad_step(graph, v, mem, grads, casts, _held_on(
-                graph, v, lambda o: o not in members or needed[o] or holds[o] - {("node", v)}))
-            for o in graph.saved[v]:
+                graph, v, lambda o: o not in members or needed[o] or _held_by_others(holds[o], v)))
+            for o in saved[v]:
                 if o in members:
-                    holds[o].discard(("node", v))
+                    holds[o].discard(v)
                     maybe_free(o)
             _tail(graph, v, mem)
 
 
-def _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs) -> None:
+def _backward_segment(graph, schedule, s, mem, grads, casts, holds, pending, outputs, held) -> None:
+    """Segment s's backward; ``held``: the owners its checkpoint holds (:func:`_holders`)."""
     seg = schedule.segments[s]
     if schedule.recomputed[s]:
         nested = schedule.inner_of(s) or Schedule((seg,), (False,))
         _backward_nested(graph, seg, nested, mem, grads, casts, 1, path=(s,))
         mem.free(("snap", (s,)))
-        _release_segment(graph, s, holds, pending, outputs, mem)
+        _release_segment(s, held, holds, pending, outputs, mem)
         return
+    saved, freed_inputs = graph.saved, graph.bwd_freed_inputs
     for v in reversed(seg):
-        _grad_step(graph, v, mem, grads, casts, _held_on(
-            graph, v, lambda o: pending[o] or o in outputs or holds[o] - {("node", v)}))
-        for o in graph.saved[v]:
-            holds[o].discard(("node", v))
-            if not pending[o] and not holds[o] and o not in outputs:
+        held_on = _held_on(graph, v, lambda o: pending[o] or o in outputs or _held_by_others(holds[o], v)) \
+            if freed_inputs else 0
+        _grad_step(graph, v, mem, grads, casts, held_on)
+        for o in saved[v]:
+            h = holds[o]
+            h.discard(v)
+            if not pending[o] and not h and o not in outputs:
                 mem.free(("f", o))
         _tail(graph, v, mem)
-    _release_segment(graph, s, holds, pending, outputs, mem)
+    _release_segment(s, held, holds, pending, outputs, mem)
 
 
-def _release_segment(graph, s, holds, pending, outputs, mem) -> None:
-    """Segment s's backward ended: its checkpoint lets go of its inputs."""
-    for r in range(graph.n):
-        if ("segment", s) in holds[r]:
-            holds[r].discard(("segment", s))
-            if not pending[r] and not holds[r] and r not in outputs:
-                mem.free(("f", r))
+def _release_segment(s, held, holds, pending, outputs, mem) -> None:
+    """Segment s's backward ended: its checkpoint lets go of its inputs (``held``)."""
+    for r in held:
+        h = holds[r]
+        h.discard(~s)
+        if not pending[r] and not h and r not in outputs:
+            mem.free(("f", r))
 
 
 def predicted_timeline(graph: CostGraph, schedule: Schedule) -> Timeline:

@@ -3,20 +3,25 @@ it stops as soon as the last tensor saved in the segment is saved again (early s
 segment's outputs live until the recomputation ends. Each schedule is emitted with
 ``fxremat.passes.rewrite`` and its measured peak compared with the simulated one."""
 
+import copy
+import dataclasses
+import pickle
+
 import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxremat
-from _models import train_step, with_grads
+from _models import small_unet, train_step, with_grads
 from fxremat.passes.lower import build_graph
 from fxremat.passes.profile import profile
 from fxremat.passes.rewrite import rewrite
 from fxremat.passes.trace import trace
-from fxremat.planner import recompute_time
+from fxremat.budget import parse_budget
+from fxremat.planner import choose, recompute_time
 from fxremat.core import Schedule
-from fxremat.simulate import rerun_time, simulate
+from fxremat.simulate import predicted_timeline, rerun_time, simulate
 
 
 class WideTail(nn.Module):
@@ -364,3 +369,56 @@ def test_rewrite_compiles_each_module_it_makes_once(monkeypatch):
     assert len(made) == 3  # the top, the nested segment, its own segment
     assert {id(m): compiled.get(id(m)) for m in made} == {id(m): 1 for m in made}
     assert torch.equal(emitted(x), gm(x))
+
+
+def _unet_graph():
+    torch.manual_seed(0)
+    return _graph_and_module(small_unet(), torch.randn(2, 3, 32, 32))[1]
+
+
+def _planned_schedules(graph):
+    """The plain schedule, the planner's at 'min' and 0.5, and the 'min' one with a checkpoint
+    nested in each of its recomputed segments (their first halves)."""
+    plain = Schedule.plain(graph.n)
+    least, half = (choose(graph, parse_budget(budget)).schedule for budget in ("min", 0.5))
+    inner = tuple(Schedule((seg[:len(seg) // 2], seg[len(seg) // 2:]), (True, False)) if rec and len(seg) > 1 else None
+                  for seg, rec in zip(least.segments, least.recomputed))
+    nested = Schedule(least.segments, least.recomputed, inner)
+    assert nested.depth == 2
+    return [plain, least, half, nested]
+
+
+def test_a_graph_pickles_and_saves_its_fields_alone():
+    """A CostGraph caches what the simulator derives from it (per-node roots, readers, ...); a
+    pickle holds its fields only, and the graph it loads derives them again, to the same peaks."""
+    graph = _unet_graph()
+    schedules = _planned_schedules(graph)
+    fresh = pickle.dumps(dataclasses.replace(graph))  # nothing derived yet
+    peaks = [simulate(graph, s) for s in schedules]  # derives and caches
+    assert "pred_roots" in graph.__dict__ and "dropped_after" in graph.__dict__
+    assert set(graph.__getstate__()) == {f.name for f in dataclasses.fields(graph)}
+    assert pickle.dumps(graph) == fresh
+    for loaded in (pickle.loads(pickle.dumps(graph)), copy.deepcopy(graph)):
+        assert loaded == graph and "pred_roots" not in loaded.__dict__
+        assert [simulate(loaded, s) for s in schedules] == peaks
+
+
+def test_a_schedule_that_misses_a_node_is_refused():
+    graph = _unet_graph()
+    missing = graph.n // 2
+    segments = (tuple(range(missing)), tuple(range(missing + 1, graph.n)))
+    with pytest.raises(ValueError, match=rf"fxremat\.simulate: .* node {missing} \({graph.names[missing]}\)"):
+        simulate(graph, Schedule(segments, (True, False)))
+    with pytest.raises(ValueError, match=rf"fxremat\.simulate: .* node {graph.n}, but the graph has nodes"):
+        simulate(graph, Schedule((tuple(range(graph.n + 1)),), (False,)))
+    assert simulate(graph, Schedule((segments[0], (missing, *segments[1])), (True, False))) > 0
+
+
+def test_the_peak_alone_is_the_peak_of_the_timeline():
+    """Without ``timeline=True`` the simulator builds no timeline; the peak it returns is still
+    the timeline's, for flat and nested plans."""
+    graph = _unet_graph()
+    for schedule in _planned_schedules(graph):
+        peak, events = simulate(graph, schedule, timeline=True)
+        assert simulate(graph, schedule) == peak == max(events)
+        assert predicted_timeline(graph, schedule).peak_bytes == peak
