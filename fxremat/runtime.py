@@ -8,7 +8,10 @@ of the original forward. Buffers the segment mutates (BatchNorm running statisti
 named in the call (``restore=``, so they are part of the emitted code and travel with it through
 ``copy.deepcopy``), are restored after the recomputation: they are updated exactly once per step.
 Buffers it reads that the step mutates (``reads=``: a step counter, an EMA read back) hold the
-values of its forward while it is recomputed.
+values of its forward while it is recomputed. The recomputation reads the buffer tensors its
+forward read: each buffer slot of the segment's modules (:func:`buffer_slots`) holds, while it is
+recomputed, the tensor it held when the forward ran (``torch.func.functional_call``'s buffers, a
+tensor a leaf module assigned anew), and what it holds now afterwards.
 
 :func:`attribute_bindings` and :func:`rebind` keep the ``get_attr`` values of GraphModules
 derived from a model (parameters and buffers used outside a submodule call, held by copies of
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import re
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "put_back", "module_generators"]
+__all__ = ["recompute", "attribute_bindings", "rebind", "parameter_slots", "buffer_slots", "put_back",
+           "module_generators"]
 
 
 def put_back(tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -67,21 +72,36 @@ def _segment_generators(segment: torch.nn.Module) -> list[torch.Generator]:
     return gens
 
 
-class _Snapshot:
-    """The forward's context of one checkpointed call: takes the values of the buffers the segment
-    reads (``reads``) as they are when its forward runs, and the parameters it read (the tensors
-    in its modules' parameter slots, with their versions, when its forward returns)."""
+@dataclass(frozen=True)
+class _BufferSlots:
+    """Where a segment's buffers sit: ``slots``, ``(submodule._buffers, name)`` of every buffer
+    slot of its modules; ``reads`` and ``restore``, the indices in ``slots`` of those its call
+    names as read back (``reads=``) and as written (``restore=``)."""
 
-    def __init__(self, segment: torch.nn.Module, buffers: list[torch.Tensor]):
+    slots: tuple[tuple[dict, str], ...]
+    reads: tuple[int, ...]
+    restore: tuple[int, ...]
+
+
+class _Snapshot:
+    """The forward's context of one checkpointed call: takes the tensors in the segment's buffer
+    slots as its forward finds them (``torch.func.functional_call``'s, or a tensor a leaf module
+    assigned anew, ``self.count = self.count + 1``), the values of those the step also mutates
+    (``reads=``), and the parameters it read (the tensors in its modules' parameter slots, with
+    their versions, when its forward returns)."""
+
+    def __init__(self, segment: torch.nn.Module, slots: _BufferSlots):
         self.segment = segment
-        self.buffers = buffers
+        self.slots = slots
+        self.buffers: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor] = []
         self.params: list[tuple[dict, str, torch.Tensor, int, str]] = []
         self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self):
+        self.buffers = [table.get(name) for table, name in self.slots.slots]
         with torch.no_grad():
-            self.values = [b.clone() for b in self.buffers]
+            self.values = [self.buffers[i].clone() for i in self.slots.reads]
         self.generators = [(g, g.get_state()) for g in _segment_generators(self.segment)]
 
     def __exit__(self, *exc):
@@ -91,10 +111,13 @@ class _Snapshot:
 
 
 class _Recomputation:
-    """The recomputation's context of one checkpointed call: the buffers it reads hold their values
-    of the forward (:class:`_Snapshot`) while it runs; afterwards they, and those it mutates, hold
-    again what they held before it. Its modules hold the parameters the forward read: a call
-    under ``torch.func.functional_call`` (MAML's fast weights, per-sample gradients) swapped
+    """The recomputation's context of one checkpointed call: the segment's buffer slots hold the
+    tensors its forward found there (:class:`_Snapshot`), those it reads back with their values of
+    the forward; afterwards the slots hold again what they held before, and the tensors it wrote
+    (``restore=``) and read back their values of before. Under ``torch.func.functional_call`` with
+    buffers passed in, the recomputation updated the module's own running statistics (all 18 of
+    a ResNet-ish net's) and restored the call's. Its modules hold the parameters the forward read:
+    a call under ``torch.func.functional_call`` (MAML's fast weights, per-sample gradients) swapped
     its own in for the forward only, and the recomputation read the module's (silently wrong
     gradients). Parameter objects are left to their owner: FSDP2 puts its unsharded ones back for
     the backward itself (swapped in by fxremat, they mixed with its sharded ones). A parameter
@@ -102,11 +125,18 @@ class _Recomputation:
     eager PyTorch refuses it. Re-entered for each recomputation (``retain_graph=True``, a
     ``create_graph=True`` gradient penalty)."""
 
-    def __init__(self, snapshot: _Snapshot, mutated: list[torch.Tensor]):
+    def __init__(self, snapshot: _Snapshot):
         self.snapshot = snapshot
-        own = {id(b) for b in snapshot.buffers}
-        self.buffers = snapshot.buffers + [b for b in mutated if id(b) not in own]
-        self.held: list[tuple[list[torch.Tensor], list[tuple[dict, str, torch.Tensor]]]] = []
+        self.held: list[tuple] = []
+
+    def _written(self) -> list[torch.Tensor]:
+        """The forward's tensors of the slots read back and written, each once."""
+        found = {}
+        for i in self.snapshot.slots.reads + self.snapshot.slots.restore:
+            t = self.snapshot.buffers[i]
+            if t is not None:
+                found.setdefault(id(t), t)
+        return list(found.values())
 
     def __enter__(self):
         swapped = []
@@ -126,19 +156,26 @@ class _Recomputation:
                     f"inplace operation\"): call backward before changing parameters. Written by the model's own "
                     f"code in forward (a leaf module that decays or clips its weight), which fxremat runs again when "
                     f"it recomputes: make that write in the training loop instead")
+        slots, forward = self.snapshot.slots, self.snapshot.buffers
+        occupants = [table.get(name) for table, name in slots.slots]
+        for (table, name), t in zip(slots.slots, forward):
+            table[name] = t
         with torch.no_grad():
-            self.held.append(([b.clone() for b in self.buffers], swapped,
+            self.held.append((occupants, [(b, b.clone()) for b in self._written()], swapped,
                               [(g, g.get_state()) for g, _ in self.snapshot.generators]))
-            for b, value in zip(self.snapshot.buffers, self.snapshot.values):
-                put_back(b, value)
+            for i, value in zip(slots.reads, self.snapshot.values):
+                put_back(forward[i], value)
         for g, state in self.snapshot.generators:  # the module's own generators draw as in the forward
             g.set_state(state)
 
     def __exit__(self, *exc):
-        values, swapped, generators = self.held.pop()
+        occupants, values, swapped, generators = self.held.pop()
         with torch.no_grad():
-            for b, value in zip(self.buffers, values):
+            for b, value in values:
                 put_back(b, value)
+        for (table, name), t in zip(self.snapshot.slots.slots, occupants):
+            if table.get(name) is not t:
+                table[name] = t
         for slots, name, param in swapped:
             slots[name] = param
         for g, state in generators:
@@ -167,18 +204,57 @@ def _parameter_slots(segment: torch.nn.Module) -> list[tuple[dict, str, str]]:
     return slots
 
 
-def _named(segment: torch.nn.Module, name: str) -> list[torch.Tensor]:
-    """The buffer ``name`` of ``segment``, or every buffer of its submodule ``name``."""
+def buffer_slots(module: torch.nn.Module) -> list[tuple[dict, str]]:
+    """``(submodule._buffers, name)`` of every buffer slot of ``module`` and its submodules (each
+    module once): read through them, a buffer swapped in (``torch.func.functional_call``) or
+    assigned anew (``self.count = self.count + 1``) is the one in place now."""
+    return [(m._buffers, name) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+
+
+def _named_slots(segment: torch.nn.Module, name: str) -> list[tuple[dict, str]]:
+    """The slot of the buffer ``name`` of ``segment``, or the slots of the buffers of its submodule ``name``."""
     prefix, _, last = name.rpartition(".")
     owner = segment.get_submodule(prefix)
     if last in owner._buffers:
-        return [owner._buffers[last]]
-    return list(segment.get_submodule(name).buffers(recurse=False))
+        return [(owner._buffers, last)]
+    sub = segment.get_submodule(name)
+    return [(sub._buffers, n) for n, b in sub._buffers.items() if b is not None]
+
+
+_BUFFER_SLOTS: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _segment_buffer_slots(segment: torch.nn.Module, restore: tuple[str, ...], reads: tuple[str, ...]) -> _BufferSlots:
+    """The :class:`_BufferSlots` of a segment's call, once (found by walking its modules)."""
+    cached = _BUFFER_SLOTS.get(segment)
+    if cached is None:
+        cached = _BUFFER_SLOTS[segment] = {}
+    found = cached.get((restore, reads))
+    if found is None:
+        slots = buffer_slots(segment)
+        read_back = _slot_indices(segment, reads, slots)  # (may append to slots)
+        written = _slot_indices(segment, restore, slots)
+        found = cached[(restore, reads)] = _BufferSlots(tuple(slots), read_back, written)
+    return found
+
+
+def _slot_indices(segment: torch.nn.Module, names: tuple[str, ...], slots: list[tuple[dict, str]]) -> tuple[int, ...]:
+    """The indices in ``slots`` of the slots of ``names`` (:func:`_named_slots`), each once; a slot
+    not in ``slots`` (empty, ``None``, when the segment was first called) is appended to it."""
+    index = {(id(table), name): i for i, (table, name) in enumerate(slots)}
+    out = []
+    for n in names:
+        for table, name in _named_slots(segment, n):
+            if (id(table), name) not in index:
+                index[(id(table), name)] = len(slots)
+                slots.append((table, name))
+            out.append(index[(id(table), name)])
+    return tuple(dict.fromkeys(out))
 
 
 def _contexts(segment: torch.nn.Module, restore: tuple[str, ...], reads: tuple[str, ...]):
-    snapshot = _Snapshot(segment, [b for name in reads for b in _named(segment, name)])
-    return snapshot, _Recomputation(snapshot, [b for name in restore for b in _named(segment, name)])
+    snapshot = _Snapshot(segment, _segment_buffer_slots(segment, restore, reads))
+    return snapshot, _Recomputation(snapshot)
 
 
 def recompute(segment: torch.nn.Module, *inputs, restore: tuple[str, ...] = (), reads: tuple[str, ...] = (),

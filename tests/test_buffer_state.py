@@ -73,13 +73,27 @@ def _chain(norm, n=10, c=8):
     return nn.Sequential(*[nn.Sequential(nn.Conv2d(c, c, 3, padding=1), norm(c), nn.ReLU()) for _ in range(n)])
 
 
-def _train_twins(model, budget, **kwargs):
-    """Two SGD steps of a plain twin and a compiled twin; asserts every output, gradient,
-    parameter and buffer bitwise equal. Returns the compiled module."""
+class WarmingBN(FunctionalBN):
+    """Counts its calls by assigning a new tensor to a buffer (``self.calls = self.calls + 1``, not
+    in place) and scales its output by a warm-up factor read from the count."""
+
+    def __init__(self, c):
+        super().__init__(c)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return super().forward(x) * (self.calls.to(x.dtype) / 4).clamp(max=1.0)
+
+
+def _train_twins(model, budget, steps=2, **kwargs):
+    """``steps`` SGD steps of a plain twin and a compiled twin; asserts that compiling changed no
+    state, and every output, gradient, parameter and buffer bitwise equal. Returns the compiled module."""
     plain = copy.deepcopy(model)
     remat = fxremat.compile(copy.deepcopy(model), budget, example_inputs=(torch.randn(SHAPE),), **kwargs)
+    assert_same_state(plain, remat)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, remat)]
-    for step in range(2):
+    for step in range(steps):
         x = torch.randn(SHAPE, generator=torch.Generator().manual_seed(step))
         outs = []
         for m, opt in zip((plain, remat), opts):
@@ -109,6 +123,32 @@ def test_buffers_written_by_functions_train_like_plain(norm, budget):
 def test_buffers_written_inside_a_leaf_module_train_like_plain(budget):
     remat = _train_twins(_chain(FunctionalBN), budget, leaf_modules=(FunctionalBN,))
     assert remat.plan.recomputed_nodes
+
+
+def _recomputed_calls(remat, names) -> list[str]:
+    """The nodes among ``names`` that a recomputed segment of ``remat``'s plan holds."""
+    return [n for s in remat.plan.segments if s.recomputed for n in s.nodes if n in names]
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_buffers_assigned_anew_inside_a_leaf_module_train_like_plain(budget):
+    """``self.calls = self.calls + 1`` puts a new tensor in the slot: recomputed, the leaf counted
+    again (17, 34, 51 after steps where eager had 1, 2, 3) and read the step's count, and compiling
+    left the profile's last tensor there (122). The recomputation now reads the tensor its forward
+    found, and profiling puts the model's tensors back."""
+    remat = _train_twins(_chain(WarmingBN), budget, steps=3, leaf_modules=(WarmingBN,))
+    assert _recomputed_calls(remat, {f"_{i}_1" for i in range(10)}), "a WarmingBN must be recomputed"
+    assert all(int(m.calls) == 3 for m in remat.modules() if isinstance(m, WarmingBN))
+
+
+@pytest.mark.parametrize("budget", [0.5, "min"])
+def test_buffers_assigned_anew_in_a_traced_forward_train_like_plain(budget):
+    """The same module traced through: the graph writes the count back with ``copy_``, and the
+    plain forward profiling ran assigned a new tensor that stayed in the model (2, 3, 4 after
+    steps where eager had 1, 2, 3)."""
+    remat = _train_twins(_chain(WarmingBN), budget, steps=3)
+    assert _recomputed_calls(remat, {"batch_norm", "add", "mul"}), "a WarmingBN must be recomputed"
+    assert all(int(m.calls) == 3 for m in remat.modules() if isinstance(m, WarmingBN))
 
 
 def test_nested_segments_of_rotor_keep_buffers():

@@ -593,6 +593,49 @@ def test_a_recomputation_reads_the_parameters_its_forward_read():
         out.square().mean().backward()
 
 
+class Warming(nn.Module):
+    """A convolution scaled by a warm-up factor read from a call counter it updates (a leaf)."""
+
+    def __init__(self, c_in, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c_in, c, 3, padding=1)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return torch.tanh(self.conv(x)) * self.calls.clamp(max=4) / 4
+
+
+def _warming():
+    torch.manual_seed(0)
+    return nn.Sequential(*(Warming(3 if i == 0 else 8, 8) for i in range(6)))
+
+
+@pytest.mark.parametrize("net, leaves", [(_net, ()), (_warming, (Warming,))], ids=["batch-norms", "warm-up-leaves"])
+def test_a_recomputation_reads_the_buffers_its_forward_read(net, leaves):
+    """Under ``torch.func.functional_call`` with buffers passed in, the forward reads and updates the
+    call's buffers; the recomputation updated the module's own (all 18 BatchNorm buffers changed,
+    eager leaves them alone) and read the module's call counters (wrong gradients)."""
+    plain, model = pair(net())
+    remat = fxremat.compile(model, "min", example_inputs=(X,), cost_model="flops", leaf_modules=leaves)
+    assert remat.plan.recomputed_nodes, "the test needs a recomputed segment"
+    results = []
+    for m in (plain, remat):
+        own = {k: v.clone() for k, v in m.named_buffers()}
+        params = {k: v.detach().mul(1.5).requires_grad_() for k, v in m.named_parameters()}
+        buffers = {k: v + 1 for k, v in m.named_buffers()}  # apart from the module's own
+        for step in range(2):
+            out = torch.func.functional_call(m, {**params, **buffers}, (X,))
+            grads = torch.autograd.grad(out.square().mean(), list(params.values()))
+        assert all(torch.equal(v, own[k]) for k, v in m.named_buffers()), "the module's own buffers changed"
+        assert not all(torch.equal(v, own[k] + 1) for k, v in buffers.items()), "the call's buffers did not"
+        results.append((out, grads, buffers))
+    (out, grads, buffers), (remat_out, remat_grads, remat_buffers) = results
+    assert torch.equal(out, remat_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads, remat_grads))
+    assert all(torch.equal(buffers[k], remat_buffers[k]) for k in buffers)
+
+
 class Masked(nn.Module):
     def __init__(self):
         super().__init__()

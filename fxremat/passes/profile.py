@@ -1329,8 +1329,13 @@ def preserved_state(module: torch.nn.Module):
     ``torch.autograd.Function`` handed a module (Reformer's reversible layers get their ModuleList)
     runs that module's backward itself, into its real parameters, whatever stand-ins the profile
     gives the node; the user's step then added the profile's gradients to its own (set aside, not
-    copied: a copy of every gradient would double their memory while planning)."""
+    copied: a copy of every gradient would double their memory while planning).
+
+    Buffers go back as objects, into their slots, with their values: a forward that assigns a new
+    tensor (``self.count = self.count + 1``, in a leaf module) left the profile's last tensor in
+    the module (a call counter at 122 after compiling, where the plain model's was 0)."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    slots = [(m._buffers, dict(m._buffers)) for m in module.modules() if m._buffers]
     grads = [(p, p.grad) for p in module.parameters()]
     for p, _ in grads:
         p.grad = None
@@ -1340,6 +1345,10 @@ def preserved_state(module: torch.nn.Module):
     try:
         yield
     finally:
+        for held, before in slots:
+            if held.keys() != before.keys() or any(held[name] is not b for name, b in before.items()):
+                held.clear()
+                held.update(before)
         with torch.no_grad():
             for b, saved in buffers:
                 put_back(b, saved)
