@@ -730,7 +730,8 @@ class _ProfilingInterpreter(_GraphInterpreter):
                     out = torch.func.functional_call(mod, params, args, kwargs)
             else:
                 out = getattr(self, n.op)(n.target, args, kwargs)
-        del args, kwargs, detached  # the copies of the inputs are autograd's alone now
+        del args, kwargs  # the copies of the inputs are autograd's alone now
+        detached.clear()
         read = _read_tensors(n, out)
         outs = [t for t in read if t.requires_grad and t.grad_fn is not None]
         permuted = _permuted_reader(n)
