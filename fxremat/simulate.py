@@ -217,7 +217,29 @@ def _segment_of(graph: CostGraph, schedule: Schedule) -> list[int]:
         raise ValueError(f"fxremat.simulate: the schedule runs no segment holding node {shown} "
                          f"({len(missing)} of {n} nodes missing); every node of the graph must be in one "
                          "segment (Schedule.plain, Schedule.from_lower_sets, or a plan of this graph)")
+    if schedule.inner:
+        _check_inner(graph, schedule, ())
     return seg_of
+
+
+def _check_inner(graph: CostGraph, schedule: Schedule, path: tuple[int, ...]) -> None:
+    """``ValueError`` where a nested schedule (a recomputed segment's ``inner``, at any depth) does
+    not run exactly its segment's nodes, each once."""
+    for i, seg in enumerate(schedule.segments):
+        inner = schedule.inner_of(i)
+        if inner is None:
+            continue
+        ran = [v for sub in inner.segments for v in sub]
+        if sorted(ran) != sorted(seg):
+            where = ".".join(map(str, path + (i,)))
+            missing, extra = sorted(set(seg) - set(ran)), sorted(set(ran) - set(seg))
+            what = (f"misses node {missing[0]} ({graph.names[missing[0]]})" if missing else
+                    f"runs node {extra[0]}, not in the segment")
+            raise ValueError(f"fxremat.simulate: the nested schedule of segment {where} {what} "
+                             f"({len(missing)} missing, {len(extra)} not its own); a segment's inner schedule runs "
+                             "exactly that segment's nodes (a plan of this graph)")
+        if inner.inner:
+            _check_inner(graph, inner, path + (i,))
 
 
 def _holders(graph: CostGraph, schedule: Schedule, seg_of: list[int]):

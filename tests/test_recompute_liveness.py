@@ -412,6 +412,14 @@ def test_a_schedule_that_misses_a_node_is_refused():
     with pytest.raises(ValueError, match=rf"fxremat\.simulate: .* node {graph.n}, but the graph has nodes"):
         simulate(graph, Schedule((tuple(range(graph.n + 1)),), (False,)))
     assert simulate(graph, Schedule((segments[0], (missing, *segments[1])), (True, False))) > 0
+    # a nested schedule (a recomputed segment's own) that misses one of its segment's nodes
+    first = segments[0]
+    inner = Schedule((first[:2], first[3:]), (True, False))
+    with pytest.raises(ValueError, match=rf"fxremat\.simulate: the nested schedule of segment 0 misses node "
+                                         rf"{first[2]} \({graph.names[first[2]]}\)"):
+        simulate(graph, Schedule((first, (missing, *segments[1])), (True, False), (inner, None)))
+    whole = Schedule((first[:2], first[2:]), (True, False))
+    assert simulate(graph, Schedule((first, (missing, *segments[1])), (True, False), (whole, None))) > 0
 
 
 def test_the_peak_alone_is_the_peak_of_the_timeline():
