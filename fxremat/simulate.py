@@ -32,7 +32,7 @@ from its forward to its backward's end, and those its recomputation takes while 
 
 from __future__ import annotations
 
-from .core import CostGraph, Schedule, Timeline
+from .core import CostGraph, Schedule, Timeline, boundary
 
 __all__ = ["simulate", "predicted_timeline", "rerun_time", "partitioned_rerun_time", "mechanism_time"]
 
@@ -593,9 +593,8 @@ def _backward_nested(graph: CostGraph, seg, inner: Schedule, mem: _Memory, grads
             for o in saved[v]:
                 if o in members:
                     holds[o].add(v)
-    # what the segment returns (as exits() finds it) is read once its recomputation ends
-    is_output, succs, root = graph.is_output, graph.succs, graph.root
-    for r in {root[v] for v in seg if is_output[v] or not members.issuperset(succs[v])}:
+    # what the segment returns is read once its recomputation ends
+    for r in boundary(graph, members):
         if r in members:
             needed[r] += 1
     order = [v for sub in inner.segments for v in sub]
