@@ -2138,12 +2138,27 @@ class RematModule(torch.nn.Module):
         return entry
 
     def _require_plan(self):
-        if self._remat.last is None:
+        """The most recent signature's cache entry, if it still holds for the model as it is now:
+        the checks of a training step run first (a container edit such as ``remat.append(m)``, a
+        hook added, a setting the trace baked in, a parameter's dtype or frozen state changed), so
+        a plan made for the model before the change is not shown as the one that will train."""
+        state = self._remat
+        if state.last is not None:
+            self._check_hooks()
+            if state.last is not None and state.cache and state.entry(next(reversed(state.cache))) is None:
+                state.last = None  # a parameter's dtype or frozen state changed since it was planned
+        if state.last is None:
+            if state.planned_once:
+                raise RuntimeError(
+                    f"fxremat.RematModule: the model ({type(state.model).__name__}) changed since its last plan "
+                    "(a submodule added, removed or replaced, a hook, a setting its trace depends on, or a "
+                    "parameter's dtype or requires_grad), so that plan no longer describes what trains; the "
+                    "model is planned again at its next training step: run one, then read the plan")
             raise RuntimeError(
                 "fxremat.RematModule: no plan yet; pass example_inputs= to fxremat.compile or run "
                 "one forward in training mode first"
             )
-        return self._remat.last
+        return state.last
 
     @property
     def plan(self) -> Plan:

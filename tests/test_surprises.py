@@ -1327,6 +1327,36 @@ def test_a_compiled_sequential_is_indexed_counted_and_edited_as_the_model():
     _assert_trains_like(with_grads(plain), with_grads(remat), x)
 
 
+def test_the_plan_of_a_model_changed_since_is_not_shown_as_what_trains():
+    """``remat.plan`` after ``remat.append(head)`` showed the plan without the head (12 nodes where
+    13 train) until the next step: reading it now says the model changed and is planned again;
+    a change that keeps the graph (eval() and back, a new attribute) keeps the plan."""
+    torch.manual_seed(0)
+    x = torch.randn(32, 16)
+    model = nn.Sequential(*_blocks(4))
+    remat = fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    before = remat.plan
+    assert before.num_nodes == 4 * 4
+    remat.eval()
+    remat.train()
+    remat.note = "kept"
+    assert remat.plan is before
+    stale = [lambda: remat.append(_blocks(1)[0]),                        # a container edit
+             lambda: model[0].register_forward_hook(lambda *a: None),   # a hook on the original
+             lambda: remat.double()]                                     # the parameters' dtype
+    for change in stale:
+        change()
+        for _ in range(2):  # and still, until a step plans again
+            with pytest.raises(RuntimeError, match="changed since its last plan.*next training step"):
+                remat.plan
+            with pytest.raises(RuntimeError, match="changed since its last plan"):
+                remat.code
+        remat(x.to(next(remat.parameters()).dtype)).sum().backward()
+        after = remat.plan
+        assert after is not before
+        before = after
+    assert remat.plan.num_nodes == 4 * 4 - 3 + 4  # the hooked block one leaf, the appended head in
+
 class Holder(nn.Module):
     """A model holding a compiled submodule (``body``) between plain layers."""
 
