@@ -301,3 +301,74 @@ def test_torch_exports_partial_graph_of_a_failed_round_is_not_printed(capsys):
     with pytest.raises(fxremat.TraceError, match=r"submodule 'box'"):
         fxremat.compile(_UsesAnObject(), "min", example_inputs={"x": torch.randn(4, 16)})
     assert "def forward" not in capsys.readouterr().err  # torch.export prints it to stderr, twice a round
+
+
+class ExportPath(nn.Module):
+    """A forward taking ``*xs`` (captured with torch.export) whose exported path computes the
+    same outputs as its plain one, with one matmul over both inputs where eager makes two: the
+    weight's gradient adds up in another order."""
+
+    def __init__(self, branch=True):
+        super().__init__()
+        self.lin, self.branch = nn.Linear(32, 32), branch
+
+    def forward(self, *xs):
+        x1, x2 = xs
+        if self.branch and torch.compiler.is_exporting():
+            o = self.lin(torch.cat([x1, x2]))
+            return o[: len(x1)] + o[len(x1):]
+        return self.lin(x1) + self.lin(x2)
+
+
+def _compiled_warnings(model, inputs, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remat = fxremat.compile(model, "min", example_inputs=inputs, cost_model="flops")
+    return remat, [str(w.message) for w in caught if "other gradients" in str(w.message)]
+
+
+@pytest.mark.parametrize("branch", [True, False])
+def test_a_captured_path_with_equal_outputs_and_other_gradients_is_warned(branch):
+    """Outputs were compared, gradients not: a captured graph whose outputs equal eager's and
+    whose gradients do not (transformers' SDPA path while exported, on a batch without padding)
+    trained off eager in the last bits, silently. Now the compile says so, naming a parameter;
+    a captured graph taking the plain path says nothing."""
+    torch.manual_seed(0)
+    plain, model = pair(ExportPath(branch))
+    xs = (torch.randn(64, 32), torch.randn(64, 32))
+    remat, found = _compiled_warnings(model, xs)
+    a, b = plain(*xs), remat(*xs)
+    assert torch.equal(a, b)
+    a.sum().backward()
+    b.sum().backward()
+    same = torch.equal(plain.lin.weight.grad, remat.lin.weight.grad)
+    assert same is not branch  # the case is real: the exported path's gradient differs
+    assert bool(found) is branch
+    if branch:
+        assert "ExportPath" in found[0] and "1 of 2 parameters' (lin.weight first" in found[0]
+
+
+def test_grouped_query_attention_on_an_unpadded_batch_is_warned_with_the_fix():
+    """Qwen2 (2 key/value heads for 4) on a batch without padding: eager's SDPA runs with
+    is_causal and enable_gqa, the capture with a mask and repeated heads; 18 gradients differ by
+    ~1e-8. The warning names attn_implementation="eager", which trains bitwise."""
+    transformers = pytest.importorskip("transformers")
+
+    def run(implementation):
+        torch.manual_seed(0)
+        cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                                       attn_implementation=implementation)
+        plain, model = pair(transformers.Qwen2ForCausalLM(cfg).train())
+        ids = torch.randint(0, 128, (2, 48))
+        batch = {"input_ids": ids, "attention_mask": torch.ones(2, 48, dtype=torch.long), "labels": ids}
+        remat, found = _compiled_warnings(model, batch)
+        plain(**batch).loss.backward()
+        remat(**batch).loss.backward()
+        differ = [n for (n, p), q in zip(plain.named_parameters(), remat.parameters()) if not torch.equal(p.grad, q.grad)]
+        return differ, found
+
+    differ, found = run("sdpa")
+    assert differ and len(found) == 1, (differ, found)
+    assert 'attn_implementation="eager"' in found[0] and "enable_gqa" in found[0]
+    assert run("eager") == ([], [])

@@ -795,18 +795,104 @@ def _plain_forward(model: torch.nn.Module, captured: Captured, args: tuple, kwar
     differs = _first_difference(outputs[0], captured.output(outputs[1]))
     if differs is not None:
         warnings.warn(_other_values_warning(model, *differs), UserWarning, stacklevel=4)
+    else:
+        _check_gradients(model, captured, args, kwargs, _matched(outputs[0], captured.output(outputs[1])))
     return PlainForward(peak_bytes=peak, extra_bytes=kept - graph_kept)
+
+
+def _matched(plain, graph) -> list:
+    """The keys (a ``ModelOutput``, a dict: the plain call may return a cache besides) or
+    positions of the outputs of the captured graph found in the plain forward's."""
+    if isinstance(plain, dict) and isinstance(graph, dict):
+        return [k for k in graph if k in plain]
+    return list(range(min(len(tensor_leaves(plain)), len(tensor_leaves(graph)))))
+
+
+def _picked(out, keys: list) -> list:
+    return [out[k] for k in keys] if isinstance(out, dict) else [tensor_leaves(out)[i] for i in keys]
+
+
+def _gradient_prints(model: torch.nn.Module, call) -> dict[str, tuple[int, float]] | None:
+    """``name -> (sum of the bit patterns, sum)`` of the gradient of each trainable parameter of
+    ``model`` for the sum of the outputs ``call()`` returns, under :func:`preserved_state` (the
+    same dropout draws each time, no buffer change): two numbers a parameter, so that no
+    gradient outlives the comparison. ``None`` where nothing differentiable comes out."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    with preserved_state(model), torch.enable_grad():
+        leaves = [t for t in tree_flatten(call())[0] if isinstance(t, torch.Tensor) and t.requires_grad
+                  and t.is_floating_point()]
+        if not params or not leaves:
+            return None
+        total = sum(t.double().sum() for t in leaves)
+        grads = torch.autograd.grad(total, [p for _, p in params], allow_unused=True)
+    prints = {}
+    for (name, _), g in zip(params, grads):
+        if g is not None:
+            flat = g.detach().reshape(-1)
+            bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
+            pattern = int(flat.view(bits).sum(dtype=torch.int64)) if bits is not None else 0
+            prints[name] = (pattern, float(flat.double().sum()))
+    return prints
+
+
+def _check_gradients(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict, keys: list) -> None:
+    """Warn where the captured graph's outputs equal the plain forward's but the gradients of the
+    parameters (for the sum of the outputs ``keys`` names) do not: a path torch.export takes whose
+    backward adds up in another order. Transformers' SDPA attention on a batch without padding
+    is one: eager calls SDPA with ``is_causal`` and its grouped key/value heads as they are
+    (``enable_gqa``), the export with an explicit mask and the heads repeated (Qwen2, Mistral,
+    Llama at sequence 48: 18 parameters' gradients off by ~1e-8 at every step, silently). A
+    gradient that differs from the plain model's own, run again, is nondeterminism (atomics on
+    CUDA), not the capture's."""
+    def plain_call():
+        return _picked(model(*args, **kwargs), keys)
+
+    def graph_call():
+        return _picked(captured.output(captured.graph_module(*captured.inputs(args, kwargs))), keys)
+
+    plain = _gradient_prints(model, plain_call)
+    if plain is None:
+        return
+    graph = _gradient_prints(model, graph_call) or {}
+    differ = [name for name, value in plain.items() if graph.get(name) != value]
+    if not differ or _gradient_prints(model, plain_call) != plain:
+        return
+    name = differ[0]
+    relative = (abs(plain[name][1] - graph[name][1]) / max(abs(plain[name][1]), 1e-30)) if name in graph else None
+    warnings.warn(_other_gradients_warning(model, name, len(differ), len(plain), relative), UserWarning,
+                  stacklevel=5)
+
+
+def _other_gradients_warning(model: torch.nn.Module, name: str, count: int, total: int,
+                             relative: float | None) -> str:
+    """The warning for a captured graph whose outputs equal the plain forward's while the
+    gradients of its parameters do not."""
+    config = getattr(model, "config", None)
+    heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    attention = getattr(config, "_attn_implementation", None)
+    how = f" (their sums {relative:.1e} apart)" if relative is not None else ""
+    cause = ("its code takes another path while it is exported, whose backward adds up in another order")
+    fix = "To train as eager does, compile the submodules that take one path"
+    if attention == "sdpa" and heads and groups and groups < heads:
+        cause = (f"transformers' SDPA attention takes another path while it is exported: on a batch without "
+                 f"padding, eager calls scaled_dot_product_attention with is_causal and its {groups} key/value "
+                 f"heads as they are (enable_gqa), the export with an explicit mask and the heads repeated to "
+                 f"{heads}, whose gradients add up in another order")
+        fix = ('For gradients bitwise equal to eager\'s, load the model with attn_implementation="eager" (one '
+               "path, traced and plain), or train on batches that need a padding mask (the masked path in both)")
+    return (f"fxremat: the graph torch.export captured of {type(model).__name__} computes the same outputs as its "
+            f"forward run plainly, but other gradients: {count} of {total} parameters' ({name} first{how}); "
+            f"{cause}. Training runs the captured graph, so its gradients differ from eager's in the last bits "
+            f"at each step. {fix}.")
 
 
 def _first_difference(plain, graph) -> tuple[str, float] | None:
     """``(name, largest difference)`` of the first output tensor of the captured graph not bitwise
     equal to the plain forward's, matched by field (a ``ModelOutput``, a dict: the plain call may
     return a cache besides) or by position; ``None`` where all are equal."""
-    if isinstance(plain, dict) and isinstance(graph, dict):
-        pairs = [(repr(k), plain[k], v) for k, v in graph.items() if k in plain]
-    else:
-        pairs = [(f"output {i}", a, b) for i, (a, b) in enumerate(zip(tensor_leaves(plain), tensor_leaves(graph)))]
-    for name, a, b in pairs:
+    keys = _matched(plain, graph)
+    for key, a, b in zip(keys, _picked(plain, keys), _picked(graph, keys)):
+        name = repr(key) if isinstance(key, str) else f"output {key}"
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and not torch.equal(a, b):
             return name, (a.double() - b.double()).abs().max().item()
     return None
