@@ -15,6 +15,7 @@ import difflib
 import functools
 import inspect
 import logging
+import math
 import operator
 import os
 import re
@@ -437,6 +438,13 @@ class _Later:
     state: "_State"
 
 
+def least_fraction(share: float) -> float:
+    """The fraction budget to advise for a least feasible peak of ``share`` of the plain peak: ``share``
+    rounded *up* to two decimals, as the warning prints it (rounded to nearest, a least of 0.502 was
+    advised as "at least 0.50" to a user who had passed 0.5: Hugging Face Qwen2 trained without labels)."""
+    return math.ceil(round(share * 100, 6)) / 100
+
+
 def _choose(graph: CostGraph, config: _Config, gm: fx.GraphModule, inputs: tuple,
             plain_peak_bytes: int | None, later: _Later | None = None, costs: GraphCosts | None = None) -> Choice:
     """:func:`~fxremat.planner.choose` under ``config``. A fraction budget is a fraction of each
@@ -474,9 +482,9 @@ def _choose(graph: CostGraph, config: _Config, gm: fx.GraphModule, inputs: tuple
         warnings.warn(
             f"fxremat.RematModule: budget {config.budget} is {format_bytes(target)} for input signature "
             f"{later.inputs} (a fraction of its own plain peak, {format_bytes(choice.baseline_peak_bytes)}), below "
-            f"its least feasible peak {format_bytes(choice.peak_bytes)} ({share:.2f} of its plain peak); it is "
-            f"planned at that least. Pass fxremat.compile budget='min', or a fraction of at least {share:.2f}, to "
-            "plan every signature so. (Shown once.)", stacklevel=5)
+            f"its least feasible peak {format_bytes(choice.peak_bytes)} ({share:.3f} of its plain peak); it is "
+            f"planned at that least. Pass fxremat.compile budget='min', or a fraction of at least "
+            f"{least_fraction(share):.2f}, to plan every signature so. (Shown once.)", stacklevel=5)
     return replace(choice, notes=choice.notes + (note,))
 
 

@@ -3,6 +3,7 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
+from fxremat.api import least_fraction
 from fxremat.budget import parse_budget
 
 # planning: plans come from the DP kernels, so the pure-Python kernels' pass runs these too
@@ -94,3 +95,18 @@ def test_cli_budget_is_the_python_rule():
         with pytest.raises(ValueError) as expected:
             parse_budget(text)
         assert str(info.value) == str(expected.value).removeprefix("fxremat: ")
+
+
+def test_a_least_just_above_a_fraction_is_advised_rounded_up():
+    """The warning for a signature planned at its least names the fraction to pass: a least of 0.502
+    of the plain peak was advised as "at least 0.50" to a user who had passed 0.5 (Qwen2 trained
+    without labels after compiling with them)."""
+    assert least_fraction(0.502) == 0.51
+    assert least_fraction(0.5) == 0.5 and least_fraction(0.56) == 0.56
+
+
+@given(st.floats(min_value=0.001, max_value=1.0))
+def test_the_advised_fraction_reaches_the_least_within_a_hundredth(share):
+    advised = least_fraction(share)
+    assert share - 1e-8 <= advised < share + 0.01
+    assert float(f"{advised:.2f}") == advised

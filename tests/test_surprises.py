@@ -11,6 +11,7 @@ import json
 import linecache
 import logging
 import pickle
+import random
 import sys
 import types
 import warnings
@@ -894,6 +895,46 @@ def test_a_forward_drawing_from_pythons_random_is_warned_about():
         warnings.simplefilter("error")  # a forward that draws with torch is not warned about
         fxremat.compile(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), "min", example_inputs=(x,),
                         cost_model="flops")
+
+
+class _NumpyMask(nn.Module):
+    """SpecAugment as Hugging Face's Wav2Vec2 writes it: a mask drawn with numpy (and a Python draw)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        import numpy as np
+
+        keep = torch.tensor(np.random.random(x.shape[-1]) < 0.5, dtype=x.dtype)
+        return self.b(torch.relu(self.a(x * keep))) * (1 + random.random())
+
+
+class _CapturedNumpyMask(_NumpyMask):
+    def forward(self, *args, **kwargs):  # *args: torch.fx cannot trace it, so it is captured by torch.export
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [_NumpyMask, _CapturedNumpyMask], ids=["traced", "captured"])
+def test_compiling_a_forward_that_draws_with_numpy_leaves_the_generators_as_they_were(cls):
+    """Compiling drew from numpy's and Python's global generators (each trace or export of the
+    forward, and its plain run), so a seeded run compiled drew other numbers than the same run
+    plain; and a captured model's plain run drew another mask than its export had baked in, so the
+    two differed and a second warning blamed a branch on torch.compiler.is_exporting() and said to
+    patch transformers (Hugging Face Wav2Vec2 with SpecAugment). The baked draw is still warned about."""
+    import numpy as np
+
+    np.random.seed(0)
+    random.seed(0)
+    numpy_before, python_before = np.random.get_state()[1].copy(), random.getstate()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxremat.compile(cls(), "min", example_inputs=(torch.randn(4, 8),), cost_model="flops")
+    messages = [str(w.message) for w in caught]
+    assert any("drew from Python's random module (or numpy's)" in m for m in messages), messages
+    assert not any("is_exporting" in m for m in messages), messages
+    assert (np.random.get_state()[1] == numpy_before).all() and random.getstate() == python_before
 
 
 class _WritesInput(nn.Module):

@@ -67,7 +67,7 @@ from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from ..runtime import module_generators, put_back
 from .state import StateWrites
-from .trace import CALL_OPS, is_torch_hook, module_of, unpacked, written_inputs
+from .trace import CALL_OPS, is_torch_hook, module_of, python_rng_put_back, unpacked, written_inputs
 
 __all__ = ["NodeCost", "GraphCosts", "PlainForward", "profile", "forward_bytes", "user_hooks_disabled",
            "COST_MODELS"]
@@ -1319,8 +1319,9 @@ def _step_ms(module, inputs, params: list[torch.Tensor]) -> float:
 
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module):
-    """Restore the module's buffers, the CPU/CUDA RNG state and the module's own generators'
-    (:func:`~fxremat.runtime.module_generators`) on exit, and let go of autocast's cached casts:
+    """Restore the module's buffers, the CPU/CUDA RNG state, the module's own generators'
+    (:func:`~fxremat.runtime.module_generators`) and Python's and numpy's global ones
+    (:func:`~fxremat.passes.trace.python_rng_put_back`) on exit, and let go of autocast's cached casts:
     planning inside the caller's autocast region (the first step of a new input signature) left
     the profile's bf16 cast of a parameter in the cache, and the step then read that cast, whose
     autograd node was older than its own: Hugging Face BART's tied ``shared.weight`` (three
@@ -1344,7 +1345,8 @@ def preserved_state(module: torch.nn.Module):
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        yield
+        with python_rng_put_back():
+            yield
     finally:
         for held, before in slots:
             if held.keys() != before.keys() or any(held[name] is not b for name, b in before.items()):

@@ -65,7 +65,7 @@ import torch.utils.checkpoint
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "functions_routed", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "SettingsWatch", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "python_rng_put_back", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "SettingsWatch", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG", "unpacked"]
 
 log = logging.getLogger("fxremat")
@@ -911,14 +911,37 @@ def _python_rng_states() -> tuple:
 
 
 @contextlib.contextmanager
+def python_rng_put_back():
+    """Put the generators Python code draws from outside torch (the ``random`` module's and, where
+    numpy is imported, numpy's global one) back as they were when the block exits, as
+    :func:`~fxremat.passes.profile.preserved_state` does torch's: compiling drew from them (each
+    trace or export of a model whose forward draws, and its plain run), so a seeded training run
+    compiled drew other numbers than the same run plain, and the plain run of a captured model drew
+    another SpecAugment mask than the one its export baked in, which then differed from it
+    (Hugging Face Wav2Vec2: a false warning that its code branched on is_exporting())."""
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
 def python_draws_warned(model: torch.nn.Module, how: str):
     """Warn where the forward drew from Python's ``random`` (or numpy's) while ``how`` ran it:
     the draw is a Python value, which the trace records as a constant, so every training step takes
     the trace's branch (a LayerDrop written ``if random.random() < p: return x`` skipped its layer
-    on every step, or on none, silently, where eager skips it on some)."""
+    on every step, or on none, silently, where eager skips it on some). The generators are put back
+    after (:func:`python_rng_put_back`)."""
     before = _python_rng_states()
-    yield
-    if _python_rng_states() != before:
+    with python_rng_put_back():
+        yield
+        drew = _python_rng_states() != before
+    if drew:
         warnings.warn(
             f"fxremat: {type(model).__name__}'s forward drew from Python's random module (or numpy's) while "
             f"{how} ran it: the value drawn is baked into the graph as a constant, so every training step takes "
