@@ -163,6 +163,48 @@ _BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, interme
 _LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True)
 
+_GQA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, max_position_embeddings=256)
+
+
+def _hf_whisper():
+    def build():
+        import transformers
+
+        cfg = transformers.WhisperConfig(
+            vocab_size=512, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+            max_source_positions=16, max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=3, suppress_tokens=None, begin_suppress_tokens=None)
+        return transformers.WhisperForConditionalGeneration(cfg)
+
+    def inputs():
+        return (), {"input_features": torch.randn(2, 80, 32), "labels": torch.randint(4, 512, (2, 16))}
+
+    return build, inputs
+
+
+def _hf_clip():
+    def build():
+        import transformers
+
+        cfg = transformers.CLIPConfig(
+            text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=32, pad_token_id=0, bos_token_id=1,
+                             eos_token_id=2),
+            vision_config=dict(image_size=32, patch_size=8, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4),
+            projection_dim=32)
+        return transformers.CLIPModel(cfg)
+
+    def inputs():
+        ids = torch.randint(3, 512, (2, 32))
+        ids[:, -1] = 2  # the end-of-text token, whose state is the text's embedding
+        return (), {"input_ids": ids, "attention_mask": torch.ones(2, 32, dtype=torch.long),
+                    "pixel_values": torch.randn(2, 3, 32, 32), "return_loss": True}
+
+    return build, inputs
+
 
 # -- torchvision segmentation ----------------------------------------------------------------
 
@@ -192,6 +234,21 @@ def _cases() -> list[Case]:
         "ConvNextV2Config", "ConvNextV2ForImageClassification", size=32, labels=lambda s: torch.randint(0, 10, (2,)),
         num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10, drop_path_rate=0.1))
     add("upernet-convnext", "transformers", _hf_upernet())  # the loss added to in place
+    add("qwen2-gqa", "transformers", _hf_lm("Qwen2Config", "Qwen2ForCausalLM", **_GQA))  # padded: see test_capture_leaves
+    add("gemma2-sliding", "transformers", _hf_lm("Gemma2Config", "Gemma2ForCausalLM", head_dim=16, sliding_window=8,
+                                                 pad_token_id=0, bos_token_id=2, eos_token_id=1, **_GQA))
+    add("albert-shared", "transformers", _hf_lm(  # four layers, one layer's weights
+        "AlbertConfig", "AlbertForMaskedLM", embedding_size=32, hidden_size=64, num_hidden_layers=4,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=256, pad_token_id=0, bos_token_id=2,
+        eos_token_id=3))
+    add("whisper", "transformers", _hf_whisper())
+    add("clip", "transformers", _hf_clip())  # two towers, a contrastive loss
+    add("segformer-hf", "transformers", _hf_image(
+        "SegformerConfig", "SegformerForSemanticSegmentation", size=64, labels=lambda s: torch.randint(0, 4, (2, s, s)),
+        num_encoder_blocks=2, hidden_sizes=[16, 32], depths=[1, 1], sr_ratios=[2, 1], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=32, num_labels=4))
+    add("mamba", "transformers", _hf_lm("MambaConfig", "MambaForCausalLM", hidden_size=64, num_hidden_layers=2,
+                                        state_size=8, mask=False))  # the selective scan's Python loop
     add("gpt2-seq128", "transformers", _hf_lm("GPT2Config", "GPT2LMHeadModel", seq=128, **_GPT2),
         long_sequence=True)
     add("llama-seq128", "transformers", _hf_lm("LlamaConfig", "LlamaForCausalLM", seq=128, **_LLAMA),
