@@ -516,6 +516,10 @@ def _leaf_hint(gm: fx.GraphModule, costs: GraphCosts, least_bytes: int, leaf_mod
     name = max(inside, key=inside.get, default=None)
     if name is None or inside[name] < _LEAF_SHARE * least_bytes:
         return None
+    cost = next(c for c in costs.nodes if c.name == name)
+    # the gradient of its weights, made by its backward before it is added to .grad: the weights'
+    # size whatever the inputs (hrnet_w18_small's last downsampling Conv2d: 18.0 MiB, 99%)
+    weight_grads = min(cost.param_grad_bytes, cost.bwd_transient_bytes)
     module = gm.get_submodule(calls[name].target)
     module = module.inner if isinstance(module, ModeCall) and module.inner is not None else module
     path, cls = module_of(gm, calls[name])[0] or calls[name].target, type(module).__name__
@@ -524,6 +528,10 @@ def _leaf_hint(gm: fx.GraphModule, costs: GraphCosts, least_bytes: int, leaf_mod
         how = "it is in leaf_modules: leave it out to plan inside it"
     elif has_hooks(module):
         how = "a module with hooks is called whole: remove its hooks while training to plan inside it"
+    elif type(module).__module__.startswith("torch.nn.") and weight_grads >= _LEAF_SHARE * inside[name]:
+        how = (f"{format_bytes(weight_grads)} of it is the gradient of its weights, which its backward makes "
+               f"before adding it to their .grad: that is the size of its weights whatever the inputs, so no plan "
+               f"and no smaller input lowers it")
     elif type(module).__module__.startswith("torch.nn."):
         how = (f"torch.fx cannot trace into torch.nn's {cls}, so only smaller inputs (batch, sequence) lower what "
                "it holds")
@@ -1560,6 +1568,36 @@ class _State:
         self.trained = {}
 
 
+def _traced_for_first_call(state: "_State", args: tuple, kwargs: dict) -> None:
+    """A model compiled without example inputs was traced with every parameter of its forward as
+    an input, those defaulting to ``None`` too (timm's ``VisionTransformer.forward(x,
+    attn_mask=None, is_causal=False)`` took the ``if attn_mask is not None:`` branch), and its first
+    training call, ``model(x)`` as the README's quickstart writes it, was refused ("traced with a
+    value for attn_mask ... this call leaves it None"). Where that first call, before any plan,
+    leaves one of them ``None``, the model is traced again as :func:`compile` traces it with that
+    call as its example inputs: those parameters ``None``, or captured per call with torch.export
+    where torch.fx then fails (the ViT: ``if attn_mask is not None or is_causal:``)."""
+    if state.traced is None or state.planned_once or state.cache or _NONE_ARGS in state.traced.meta:
+        return
+    try:
+        given = state.signature.bind(*args, **kwargs).arguments
+    except TypeError:  # the call is wrong: RematModule._bind says so, naming the forward
+        return
+    every = dict(given)
+    for name, p in state.signature.parameters.items():
+        every.setdefault(name, p.default)
+    if not any(every.get(name, 0) is None for name in state.read_optional):
+        return
+    if any(state.signature.parameters[name].kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+           for name in given):
+        return
+    log.info("fxremat: the first call of %s leaves %s None: traced again as with it as example inputs",
+             type(state.model).__name__, ", ".join(n for n in state.read_optional if every.get(n, 0) is None))
+    with _planning_modes(), _training_mode(state.model):
+        traced = _traced(state.model, state.leaf_modules, "compile", can_capture=True, example_inputs=dict(given))
+    state.__init__(state.model, traced, state.config, leaf_modules=state.leaf_modules)
+
+
 def _called_modules(gm: fx.GraphModule) -> dict:
     return {n.target: id(gm.get_submodule(n.target)) for n in gm.graph.nodes if n.op == "call_module"}
 
@@ -2053,6 +2091,7 @@ class RematModule(torch.nn.Module):
     def _training_forward(self, args: tuple, kwargs: dict):
         model = self._remat.model
         self._check_hooks()
+        _traced_for_first_call(self._remat, args, kwargs)
         if _root_has_hooks(model):  # the model's own hooks run around the emitted forward
             return _call_with_hooks(model, self._compiled_forward, args, kwargs)
         return self._compiled_forward(*args, **kwargs)
@@ -2061,6 +2100,7 @@ class RematModule(torch.nn.Module):
         """``(emitted module, its inputs, what makes the call's output of its output)`` of a call
         that torch.compile runs (planned on first sight of its signature)."""
         self._check_hooks()
+        _traced_for_first_call(self._remat, args, kwargs)
         if self._remat.traced is None:  # captured per call (torch.export)
             _, gm, _, captured = self._prepare_call(args, kwargs, True)
             return gm, captured.inputs(args, kwargs), captured.output

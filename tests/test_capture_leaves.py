@@ -372,3 +372,31 @@ def test_grouped_query_attention_on_an_unpadded_batch_is_warned_with_the_fix():
     assert differ and len(found) == 1, (differ, found)
     assert 'attn_implementation="eager"' in found[0] and "enable_gqa" in found[0]
     assert run("eager") == ([], [])
+
+
+class _PooledTwice(nn.Module):
+    """smp's PAN: its forward checks the input's size (torch.fx cannot trace that: it is captured)
+    and pools the map again and again; at a small size the last pool has nothing left to pool, in
+    eager PyTorch too."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pool = nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2)
+
+    def forward(self, x):
+        if x.shape[-1] % 2:
+            raise ValueError("even sizes only")
+        return self.pool(self.pool(self.conv(x))).sum()
+
+
+def test_a_model_failing_on_the_example_inputs_raises_its_own_error_not_a_capture_failure():
+    model, x = _PooledTwice(), torch.randn(2, 3, 2, 2)
+    with pytest.raises(RuntimeError, match="Output size is too small") as eager:
+        model(x)
+    # before: TraceError "'pool' is kept whole already and the capture still failed there; compile
+    # the submodule that does the work", while no submodule could mend the inputs
+    with pytest.raises(type(eager.value), match="Output size is too small") as raised:
+        fxremat.compile(model, "min", example_inputs=(x,), cost_model="flops")
+    assert not isinstance(raised.value, fxremat.TraceError)
+    assert any("_PooledTwice raised this when run plainly on the example inputs" in note
+               for note in raised.value.__notes__)

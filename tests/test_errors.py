@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the value and the fix, and nothing half-done."""
 
+import copy
 import math
 
 import pytest
@@ -146,3 +147,69 @@ def test_trace_error_names_the_class_and_the_line():
     assert info.value.module_class == "_Branches"
     assert "(_Branches)" in str(info.value) and "test_errors.py:" in str(info.value)
     assert "if x.sum() > 0" in str(info.value)
+
+
+class _Flagged(torch.nn.Module):
+    """diffusers' AutoencoderKL and UNet2DModel: a Python flag and an optional input, both
+    checked in the top-level forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, labels=None, sample_posterior: bool = False):
+        if labels is not None:
+            raise ValueError("no label embedding: labels cannot be used")
+        if sample_posterior:
+            x = x + torch.randn_like(x)
+        return self.lin(x)
+
+
+class _OnlyFlagged(_Flagged):
+    def forward(self, x, sample_posterior: bool = False):
+        return self.lin(x + 1 if sample_posterior else x)
+
+
+def test_a_trace_error_in_a_forward_with_defaulted_parameters_says_how_torch_fx_traced_them():
+    # before: "computed from input 'sample_posterior' ... a graph cannot hold a Python value computed
+    # from tensors", and the model's own ValueError, with no word on the defaults
+    with pytest.raises(fxremat.TraceError) as info:
+        fxremat.compile(_Flagged(), 0.5)
+    message = str(info.value)
+    assert "no label embedding" in message  # `labels is not None` on the traced input
+    assert "also those that default to None or a Python value (labels=None, sample_posterior=False)" in message
+    assert "pass example_inputs=" in message
+    with pytest.raises(fxremat.TraceError, match=r"input 'sample_posterior', a Python bool by default \(False\) "
+                                                 r"that torch.fx traces as a tensor of unknown value"):
+        fxremat.compile(_OnlyFlagged(), 0.5)
+    x = torch.randn(3, 4)  # with example inputs it is captured, and trains as eager
+    plain = _Flagged()
+    compiled = fxremat.compile(copy.deepcopy(plain), "min", example_inputs=(x,), cost_model="flops")
+    for m in (plain, compiled):
+        m(x).square().sum().backward()
+    for p, q in zip(plain.parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+class _WideHead(torch.nn.Module):
+    """A small input through a wide Linear: its backward's gradient of the weight (4 MiB, as
+    hrnet_w18_small's 18 MiB downsampling Conv2d) is most of the least feasible peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Linear(8, 1024)
+        self.wide = torch.nn.Linear(1024, 1024)
+
+    def forward(self, x):
+        return self.wide(self.stem(x).relu()).sum(-1)
+
+
+def test_an_infeasible_budget_held_by_a_weight_gradient_says_no_smaller_input_lowers_it():
+    # before: "torch.fx cannot trace into torch.nn's Linear, so only smaller inputs (batch,
+    # sequence) lower what it holds", which they do not
+    with pytest.raises(fxremat.InfeasibleBudgetError) as info:
+        fxremat.plan(_WideHead(), 0.5, example_inputs=(torch.randn(2, 8),), cost_model="flops")
+    message = str(info.value)
+    assert "held inside the leaf node 'wide' (submodule 'wide', Linear)" in message, message
+    assert "4.0 MiB of it is the gradient of its weights" in message and "no smaller input lowers it" in message
+    assert "only smaller inputs" not in message

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxremat
+from fxremat.api import _NONE_ARGS
 from fxremat.identity import PlanMismatchError
 from _models import assert_same_state, loss_of, pair, train_step, with_grads
 
@@ -654,6 +655,34 @@ def test_an_optional_input_traced_with_a_value_and_left_out_is_refused():
     remat = fxremat.compile(Masked(), "min", example_inputs=(x, mask), cost_model="flops")
     with pytest.raises(ValueError, match="traced with a value for mask .* this call leaves it None"):
         remat(x)
+
+
+class CausalMasked(Masked):
+    """timm's ViT: ``forward(x, attn_mask=None, is_causal=False)`` checks both at once; traced with
+    ``mask=None``, torch.fx still fails on the flag, and the model is captured per call."""
+
+    def forward(self, x, mask=None, causal: bool = False):
+        out = self.body(x)
+        if mask is not None or causal:
+            out = out * (mask if mask is not None else 1.0)
+        return out
+
+
+@pytest.mark.parametrize("cls", [Masked, CausalMasked])
+def test_an_optional_input_left_out_by_the_first_call_without_example_inputs_is_traced_as_none(cls):
+    """The README's quickstart (no example inputs) on timm's ViT: its first training call,
+    ``model(x)``, was refused ("traced with a value for attn_mask ... this call leaves it None")."""
+    torch.manual_seed(0)
+    plain, x = cls(), torch.randn(8, 16)
+    remat = fxremat.compile(copy.deepcopy(plain), "min", cost_model="flops")
+    for m in (plain, remat):
+        m(x).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), remat.parameters()))
+    assert torch.equal(plain(x), remat(x))
+    if cls is CausalMasked:
+        assert remat._remat.traced is None  # captured per call
+    else:
+        assert remat._remat.traced.meta[_NONE_ARGS] == ("mask",)
 
 
 class SelfCheckpointed(Net):

@@ -619,7 +619,10 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
     module) recorded as one op each; those that branch on a random draw go in ``random_branches``."""
     checkpoints: list[str] = []
-    plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
+    try:
+        plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
+    except Exception as exc:  # the model's own code on real tensors: no capture involved
+        raise _PlainRunFailed() from exc
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
@@ -630,6 +633,23 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
         _CALLS.clear()
         _MODULE_CALLS.clear()
     return exported, calls, module_calls, checkpoints
+
+
+class _PlainRunFailed(Exception):
+    """The plain run of the model that shapes its opaque submodules' calls (:func:`_plain_calls`)
+    raised: the model fails on the example inputs itself, which no submodule kept whole mends
+    (its ``__cause__`` is the model's error)."""
+
+
+def _model_error(exc: BaseException, model: torch.nn.Module) -> BaseException:
+    """``exc``, raised by ``model`` run plainly on the example inputs, with a note saying so: it is
+    the model's own error, as eager PyTorch raises it (smp's PAN at 64x64 pools a 1x1 map), not a
+    capture failure (it was reported as one, with a hint to compile a submodule instead)."""
+    exc.add_note(f"fxremat: {type(model).__name__} raised this when run plainly on the example inputs (fxremat "
+                 "runs it once without gradients before capturing it with torch.export): the model fails on "
+                 "these inputs without fxremat too; check that the model runs on them (their shapes, their "
+                 "dtypes)")
+    return exc
 
 
 def _compilable_child(model: torch.nn.Module, tries: int = 3) -> str | None:
@@ -684,6 +704,8 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
             result = _export(model, args, kwargs, opaque, random_branches)
             break
         except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
+            if isinstance(exc, _PlainRunFailed):
+                raise _model_error(exc.__cause__, model) from None
             mismatch = _cause_of_type(exc, _OpaqueMismatch)
             if mismatch is not None:
                 where = next((w for _, _, paths, w, _ in said if mismatch.path in paths), None)

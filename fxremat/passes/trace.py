@@ -647,7 +647,10 @@ def _sources(root: torch.nn.Module, node: fx.Node) -> str:
         if n.op == "get_attr":
             found.append(f"buffer {n.target!r}" if n.target in buffers else f"attribute {n.target!r}")
         elif n.op == "placeholder":
-            found.append(f"input {n.target!r}")
+            default = n.args[0] if n.args else None  # torch.fx keeps a parameter's default there
+            found.append(f"input {n.target!r}, a Python {type(default).__name__} by default ({default!r}) that "
+                         f"torch.fx traces as a tensor of unknown value" if isinstance(default, _FLAG_TYPES)
+                         else f"input {n.target!r}")
         stack.extend(n.all_input_nodes)
     found = sorted(set(found))
     if not found:
@@ -657,6 +660,21 @@ def _sources(root: torch.nn.Module, node: fx.Node) -> str:
 
 
 _FX_DIR = os.path.dirname(fx.__file__)
+_FLAG_TYPES = (bool, int, float, str)  # defaults of a forward's flags (sample_posterior=False, scale=1.0)
+
+
+def _defaulted_settings(module: torch.nn.Module) -> list[str]:
+    """``name=default`` of each parameter of ``module.forward`` whose default is ``None`` or a
+    Python flag (``class_labels=None``, ``return_dict=True``): torch.fx traces each as a tensor of
+    unknown value, so ``if flag:`` cannot be traced and ``if x is not None:`` takes the branch
+    for a value given (diffusers' UNet2DModel then raised its own "class_embedding needs to be
+    initialized" with no class labels passed)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin forward has no signature to read
+        return []
+    return [f"{p.name}={p.default!r}" for p in parameters
+            if p.default is None or isinstance(p.default, _FLAG_TYPES)]
 
 
 def _user_site() -> str:
@@ -1235,6 +1253,14 @@ def _trace_error(model: torch.nn.Module, failing: str, exc: Exception) -> TraceE
                 "whole; pass it in leaf_modules= to say so), or compile the model without it (the energy model, "
                 "fxremat.compile(energy, ...)) and call torch.autograd.grad(..., create_graph=True) on the compiled "
                 "model's output in a plain wrapper")
+    settings = _defaulted_settings(module) if not failing and hint is None else []
+    if settings:
+        hint = (f"torch.fx traces every parameter of {type(module).__name__}.forward as a tensor of unknown value, "
+                f"also those that default to None or a Python value ({', '.join(settings[:6])}), so that code "
+                f"checking them (`if flag:`, `if x is not None:`) cannot be traced or takes the branch for a value "
+                f"given; pass example_inputs= (the inputs of a call to plan for): fxremat then traces those "
+                f"defaulting to None that the call leaves out as None, and captures a forward torch.fx still cannot trace "
+                f"with torch.export")
     varargs = varargs_reason(module)
     if varargs is not None:
         hint = (f"{varargs}; torch.fx gives *args one placeholder that the code cannot unpack. "
