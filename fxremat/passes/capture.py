@@ -680,7 +680,8 @@ def _refused_hint(model: torch.nn.Module, failing: str, kept: bool = True) -> st
     biggest = _compilable_child(model)
     instead = ("compile the submodule that does the work in place"
                + (f" (model.{biggest} = fxremat.compile(model.{biggest}, budget): the same parameters and "
-                  "state_dict keys; the rest of the forward then runs plainly)" if biggest else ""))
+                  f"state_dict keys; the rest of the forward then runs plainly{_layerdrop_first(model, biggest)})"
+                  if biggest else ""))
     if failing and kept:
         return f"{failing!r} is kept whole already and the capture still failed there; {instead}"
     if failing:
@@ -689,6 +690,24 @@ def _refused_hint(model: torch.nn.Module, failing: str, kept: bool = True) -> st
             "(a submodule's would be kept whole); make the code at that line work on tensors whose values are "
             "unknown (no Python branch on a tensor's value), or compute it outside the model (a check of the "
             f"labels, the loss), or {instead}")
+
+
+def _layerdrop_first(model: torch.nn.Module, child: str) -> str:
+    """Where ``model.child`` skips layers at random (a LayerDrop above 0: a submodule's
+    ``layerdrop`` or ``layer_drop``, or its Hugging Face config's ``layerdrop``, 0.1 by default
+    in Wav2Vec2's), what to set first: compiled with it, the module that draws is kept as one leaf
+    (a branch on a draw cannot be captured) and "min" saved 3.8% where it saves 53% with it at 0."""
+    for path, module in model.get_submodule(child).named_modules():
+        config = getattr(module, "config", None)
+        for owner, name in [(module, "layerdrop"), (module, "layer_drop")] + [
+                (config, n) for n in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")]:
+            value = getattr(owner, name, None)
+            if isinstance(value, float) and value > 0:
+                where = (f"model.{'.'.join(filter(None, (child, path)))}" + (".config" if owner is config else "")
+                         + f".{name}")
+                return (f"; first set {where} = 0: layers skipped at random ({name}={value}) are a branch on a "
+                        f"draw that no graph holds, so the module that draws would be kept whole")
+    return ""
 
 
 def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) -> tuple:
