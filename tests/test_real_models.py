@@ -46,7 +46,7 @@ class Case:
     """A model users train: ``build()`` returns the model, ``inputs()`` its ``(args, kwargs)``."""
 
     name: str
-    family: str  # "timm", "transformers" or "torchvision"
+    family: str  # a key of _LIBRARY: "timm", "transformers", "torchvision", "smp" or "diffusers"
     build: Callable[[], torch.nn.Module]
     inputs: Callable[[], tuple[tuple, dict]]
     quick: bool = False
@@ -220,6 +220,42 @@ def _segmentation(name: str, size: int = 64, **kwargs):
     return build, inputs
 
 
+def _smp(arch: str, size: int = 64):
+    """A segmentation_models_pytorch net on a ResNet-18 encoder."""
+    def build():
+        import segmentation_models_pytorch as smp
+
+        return getattr(smp, arch)(encoder_name="resnet18", encoder_weights=None, classes=4)
+
+    def inputs():
+        return (torch.randn(2, 3, size, size),), {}
+
+    return build, inputs
+
+
+def _diffusers_unet(conditioned: bool = False):
+    """A diffusers denoising U-Net from a tiny config (``forward(sample, timestep[, encoder_hidden_states])``)."""
+    def build():
+        import diffusers
+
+        if conditioned:
+            return diffusers.UNet2DConditionModel(
+                sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+                norm_num_groups=8, cross_attention_dim=32, attention_head_dim=8,
+                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+        return diffusers.UNet2DModel(
+            sample_size=32, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64),
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            norm_num_groups=8)
+
+    def inputs():
+        if conditioned:
+            return (torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), torch.randn(2, 7, 32)), {}
+        return (torch.randn(2, 3, 32, 32), torch.tensor([10, 500])), {}
+
+    return build, inputs
+
+
 def _cases() -> list[Case]:
     cases = []
     add = lambda name, family, pair, **kw: cases.append(Case(name, family, *pair, **kw))  # noqa: E731
@@ -267,13 +303,22 @@ def _cases() -> list[Case]:
     add("coatnet_nano_rw", "timm", _timm("coatnet_nano_rw_224", img_size=64))  # a view read after its base's readers
     add("gcvit_xxtiny", "timm", _timm("gcvit_xxtiny", img_size=64))  # the same with a view of a view
     add("hiera_tiny", "timm", _timm("hiera_tiny_224", img_size=64))  # forward(x, mask=None)
+    add("maxvit_nano", "timm", _timm("maxvit_nano_rw_256", img_size=64, drop_path_rate=0.1))
+    add("levit_128s", "timm", _timm("levit_128s", img_size=64))  # attention biases indexed by a buffer
+    add("sequencer2d_s", "timm", _timm("sequencer2d_s", img_size=64))  # bidirectional LSTMs
+    add("volo_d1", "timm", _timm("volo_d1_224", img_size=64, drop_path_rate=0.1))  # outlook attention: fold/unfold
+    add("smp-unet", "smp", _smp("Unet"))  # a shape check in the top-level forward: captured
+    add("smp-upernet", "smp", _smp("UPerNet"))
+    add("unet2d", "diffusers", _diffusers_unet())  # a timestep tensor beside the sample
+    add("unet2d-condition", "diffusers", _diffusers_unet(conditioned=True))  # cross-attention
     add("lraspp_mobilenet_v3", "torchvision", _segmentation("lraspp_mobilenet_v3_large"), quick=True)
     add("deeplabv3_mobilenet_v3", "torchvision", _segmentation("deeplabv3_mobilenet_v3_large"))
     add("fcn_resnet50", "torchvision", _segmentation("fcn_resnet50"))
     return cases
 
 
-_LIBRARY = {"timm": "timm", "transformers": "transformers", "torchvision": "torchvision"}
+_LIBRARY = {"timm": "timm", "transformers": "transformers", "torchvision": "torchvision",
+            "smp": "segmentation_models_pytorch", "diffusers": "diffusers"}
 
 
 def selected_cases() -> list[Case]:
