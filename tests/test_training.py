@@ -496,6 +496,46 @@ def test_autocast_recomputed_loss_holds_what_it_saves_during_its_call(strategy):
     assert peak <= 1.001 * compiled.plan.predicted_peak_bytes, (peak, compiled.plan.predicted_peak_bytes)
 
 
+
+class LossAndPairScore(LossHead):
+    """A model that returns its loss beside its logits and a two-element score, which
+    under bf16 autocast is as many bytes (8) as a float64 loss (CLIP at batch 2: its 2x2 bf16
+    image-text logits)."""
+
+    def __init__(self):
+        super().__init__(d=32, n=1)  # narrow: the logits, not the cached weights, make the peak
+        self.pair = nn.Linear(32, 2)
+
+    def forward(self, x, labels):
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return loss, logits, self.pair(x[:1].mean(1))
+
+
+def test_autocast_returned_loss_is_told_by_its_one_element_not_its_bytes():
+    """The model's own loss is its one one-element output that takes a gradient. Told by bytes
+    (at most 8), the 1x2 bf16 score passed too, no output was taken for the loss, and the plain
+    step was predicted with a cross-entropy on every output (Hugging Face CLIP under bf16
+    autocast: +2.6%)."""
+    torch.manual_seed(0)
+    plain, model = pair(LossAndPairScore())
+    x, labels = torch.randn(2, 16, 32), torch.randint(0, 2048, (2, 16))
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x, labels)  # the outputs held through the backward, as the loss is
+        out[0].backward()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        predicted = fxremat.plan(model, "min", example_inputs=(x, labels), cost_model="flops").baseline_peak_bytes
+    with_grads(plain)
+    step(plain)
+    measured = fxremat.measure_peak(step, plain)[1]
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+
+
 # --- torch.compile -----------------------------------------------------------------------------
 
 

@@ -122,6 +122,7 @@ class NodeCost:
     loss_target_bytes: int = 0  # ... and that cross-entropy's int64 class-index target
     loss_cast_bytes: int = 0  # ... and the copy of the output in the loss's dtype it makes first (bf16 output)
     unsaved_item_bytes: int = 0  # items of its tuple output that no backward saves (see settled_costs)
+    grad_numel: int = 0  # elements of what grad_bytes counts: one for a returned loss, whatever its dtype
 
 
 @dataclass(frozen=True)
@@ -901,6 +902,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
             name=n.name, out_bytes=out_bytes, root=root, saved_inputs=tuple(sorted(saved_inputs)),
             saves_output=saves_output, extra_bytes=extra, fwd_transient_bytes=transient,
             grad_bytes=sum(t.numel() * t.element_size() for t in _read_tensors(n, out) if t.requires_grad),
+            grad_numel=sum(t.numel() for t in _read_tensors(n, out) if t.requires_grad),
             param_grad_bytes=sum(p.numel() * p.element_size() for p in params.values()),
             params=tuple(sorted(params)),
             fwd_cost=_flop_cost(self.cost_model, flops, moved),
