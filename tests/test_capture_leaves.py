@@ -418,3 +418,17 @@ def test_a_model_failing_on_the_example_inputs_raises_its_own_error_not_a_captur
     assert not isinstance(raised.value, fxremat.TraceError)
     assert any("_PooledTwice raised this when run plainly on the example inputs" in note
                for note in raised.value.__notes__)
+
+
+def test_a_captured_model_built_under_fake_tensor_mode_is_planned_without_allocating():
+    """What the meta-device error advises (build the model under FakeTensorMode to plan without
+    allocating) failed on every captured model: comparing the plain forward's outputs with the
+    graph's called torch.equal on fake tensors (DataDependentOutputException)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = ExportPath()
+        xs = (torch.randn(4096, 32), torch.randn(4096, 32))
+        plan = fxremat.plan(model, "min", example_inputs=xs, cost_model="flops")
+    assert 0 < plan.predicted_peak_bytes <= plan.baseline_peak_bytes
+    assert plan.baseline_peak_bytes >= 3 * 4096 * 32 * 4  # the inputs' sizes, not the fake tensors' nothing

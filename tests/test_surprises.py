@@ -835,7 +835,7 @@ def test_a_model_too_big_to_profile_on_its_device_is_profiled_on_fake_tensors(mo
     real = profiling._profile
 
     def tight(gm, inputs, cost_model, repeats):
-        if not profiling._is_fake(inputs):
+        if not profiling.is_fake(inputs):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(gm, inputs, cost_model, repeats)
 

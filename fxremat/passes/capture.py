@@ -74,7 +74,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
-from .profile import PlainForward, forward_bytes, preserved_state
+from .profile import PlainForward, is_fake, forward_bytes, preserved_state
 from .trace import (function_call, functions_routed, hooked_modules, is_compiled, own_checkpoint_warning,
                     own_checkpoints_seen, python_draws_warned, restore_modes, trace, user_line, user_stack_line,
                     varargs_reason)
@@ -829,15 +829,23 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
 def _plain_forward(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict) -> PlainForward:
     """The model's plain forward, called as the user calls it, beside the captured graph's (run
     with ``use_cache=False``, it builds no key/value cache): its peak, and how much more it keeps
-    at its end; both measured. Where the two compute other values, a warning says so."""
+    at its end; both measured. Where the two compute other values, a warning says so; on fake
+    tensors (a model planned under ``FakeTensorMode``, nothing allocated) there are no values to
+    compare (``torch.equal`` raised ``DataDependentOutputException`` there)."""
     outputs: list = []
     kept, peak = forward_bytes(model, model, args, kwargs, outputs=outputs)
     graph_kept = forward_bytes(model, captured.graph_module, captured.inputs(args, kwargs), {}, outputs=outputs)[0]
+    if is_fake(outputs):
+        return PlainForward(peak_bytes=peak, extra_bytes=kept - graph_kept)
     differs = _first_difference(outputs[0], captured.output(outputs[1]))
     if differs is not None:
         warnings.warn(_other_values_warning(model, *differs), UserWarning, stacklevel=4)
     else:
-        _check_gradients(model, captured, args, kwargs, _matched(outputs[0], captured.output(outputs[1])))
+        try:  # one plain step and one of the graph: a model too big for its device may not fit them
+            _check_gradients(model, captured, args, kwargs, _matched(outputs[0], captured.output(outputs[1])))
+        except torch.OutOfMemoryError:
+            log.info("fxremat: %s: its gradients and the captured graph's were not compared (out of device "
+                     "memory); its outputs were, and are equal", type(model).__name__)
     return PlainForward(peak_bytes=peak, extra_bytes=kept - graph_kept)
 
 

@@ -470,7 +470,7 @@ def _attributes_kept(module: torch.nn.Module):
             m.__dict__[name] = value
 
 
-def _is_fake(values) -> bool:
+def is_fake(values) -> bool:
     return any(isinstance(t, FakeTensor) for t in _tensors(values))
 
 
@@ -529,7 +529,7 @@ class _ProfilingInterpreter(_GraphInterpreter):
         # left on its module as attributes (:func:`_attribute_tensors`; see :meth:`settled_costs`)
         self.left_on_module: dict[str, dict[int, tuple[int, bool]]] = {}
         self.buffers = list(gm.named_buffers())
-        self.fake = _is_fake(list(gm.parameters()) + list(gm.buffers()))
+        self.fake = is_fake(list(gm.parameters()) + list(gm.buffers()))
         self.tracker = LiveStorageTracker()
         # The buffers each node writes, found from the ops' schemas and values (F.batch_norm
         # writes running statistics without bumping their version counters).
@@ -1446,7 +1446,7 @@ def resolve_cost_model(cost_model: str, example_inputs, gm: fx.GraphModule) -> s
     """Validate ``cost_model``; on fake tensors "measured" becomes "flops" (with a warning)."""
     if cost_model not in COST_MODELS:
         raise ValueError(f"fxremat: cost_model must be one of {COST_MODELS}, got {cost_model!r}")
-    if cost_model == "measured" and (_is_fake(example_inputs) or _is_fake(list(gm.parameters()))):
+    if cost_model == "measured" and (is_fake(example_inputs) or is_fake(list(gm.parameters()))):
         warnings.warn(
             "fxremat: cost_model='measured' cannot time fake tensors; using cost_model='flops'. "
             "Pass cost_model='flops' to silence this warning.",
@@ -1475,7 +1475,7 @@ def profile(gm: fx.GraphModule, example_inputs, *, cost_model: str = "measured",
     try:
         return _profile(gm, example_inputs, cost_model, repeats)
     except torch.OutOfMemoryError as exc:
-        if _is_fake(example_inputs):
+        if is_fake(example_inputs):
             raise
         cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     # (out of the except block: the exception's frames held the step's tensors)
