@@ -923,9 +923,18 @@ def _kept_whole(cls, run, args, kwargs):
 
 def _python_rng_states() -> tuple:
     """The states of the random number generators Python code draws from outside torch: the
-    ``random`` module's and, where numpy is imported, numpy's global one."""
+    ``random`` module's and, where numpy is imported, numpy's global one (``None`` where not)."""
     numpy = sys.modules.get("numpy")
-    return random.getstate(), (numpy.random.get_state()[1].tobytes() if numpy is not None else None)
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _python_rngs_drawn(before: tuple) -> bool:
+    """Whether Python's or numpy's generator was drawn from since ``before`` (:func:`_python_rng_states`)."""
+    python, numpy = _python_rng_states()
+    if python != before[0]:
+        return True
+    return numpy is not None and (before[1] is None or numpy[2] != before[1][2]
+                                  or numpy[1].tobytes() != before[1][1].tobytes())
 
 
 @contextlib.contextmanager
@@ -937,15 +946,13 @@ def python_rng_put_back():
     compiled drew other numbers than the same run plain, and the plain run of a captured model drew
     another SpecAugment mask than the one its export baked in, which then differed from it
     (Hugging Face Wav2Vec2: a false warning that its code branched on is_exporting())."""
-    numpy = sys.modules.get("numpy")
-    python_state = random.getstate()
-    numpy_state = numpy.random.get_state() if numpy is not None else None
+    python_state, numpy_state = _python_rng_states()
     try:
         yield
     finally:
         random.setstate(python_state)
         if numpy_state is not None:
-            numpy.random.set_state(numpy_state)
+            sys.modules["numpy"].random.set_state(numpy_state)
 
 
 @contextlib.contextmanager
@@ -958,7 +965,7 @@ def python_draws_warned(model: torch.nn.Module, how: str):
     before = _python_rng_states()
     with python_rng_put_back():
         yield
-        drew = _python_rng_states() != before
+        drew = _python_rngs_drawn(before)
     if drew:
         warnings.warn(
             f"fxremat: {type(model).__name__}'s forward drew from Python's random module (or numpy's) while "
