@@ -39,7 +39,7 @@ from .passes.lower import build_graph, with_mechanism
 from .passes.profile import COST_MODELS, GraphCosts, PlainForward, forward_bytes, preserved_state, profile, step_times
 from .passes import partition
 from .passes.rewrite import rewrite
-from .passes.capture import capture_call
+from .passes.capture import capture_call, value_facts
 from .passes.trace import (CALL_OPS, DifferentiatesInForward, HookWatch, ModeCall, SettingsWatch, has_hooks,
                            is_torch_hook, module_of, output_rebuilder, trace, unpacked, varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
@@ -821,8 +821,31 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
                      "each input signature with torch.export", type(model).__name__, exc,
                      "; ".join(str(w.message) for w in said) or "nothing else")
             return None
+    kept = _transformers_kept_whole(model, traced, leaf_modules)
+    if kept is not None and can_capture:
+        # torch.fx made a leaf of most of the model: nothing inside it could be recomputed (a user's
+        # wrapper of a Qwen2 causal LM saved 14% at "min"); the capture records its ATen ops
+        log.info("fxremat: torch.fx kept %r of %s whole (%s); capturing each input signature with torch.export, "
+                 "which sees inside it", kept, type(model).__name__, "; ".join(str(w.message) for w in said))
+        return None
     _warn_again(said)
     return traced
+
+
+def _transformers_kept_whole(model: torch.nn.Module, traced: fx.GraphModule, leaf_modules) -> str | None:
+    """The qualified name of a Hugging Face transformers module that the trace of ``model`` kept
+    whole by itself (not named by ``leaf_modules``) and that holds half of the model's parameters
+    or more (its mask code branches on values, which torch.fx cannot trace), else ``None``."""
+    total = sum(p.numel() for p in model.parameters())
+    classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+    for node in traced.graph.nodes:
+        if node.op != "call_module" or node.target in leaf_modules:
+            continue
+        module = traced.get_submodule(node.target)
+        if (type(module).__module__.startswith("transformers.") and not isinstance(module, classes) and total
+                and 2 * sum(p.numel() for p in module.parameters()) >= total):
+            return node.target
+    return None
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -1061,7 +1084,7 @@ def _fit_compiled_peak(remat: "RematModule", args: tuple, kwargs: dict, switch_l
     if not _fits(config):
         return
     if state.traced is None:  # captured per call (torch.export): the entry holds the capture
-        key = ("call",) + _signature((tuple(args), dict(kwargs)))
+        key = _call_key(state.model, args, kwargs)
         captured = state.cache[key][3]
         gm, inputs = captured.graph_module, captured.inputs(args, kwargs)
         made = {_segmentation(state.cache[key][0].segments): state.cache[key][1:3]}
@@ -1162,6 +1185,12 @@ def _kept_layout(remat: "RematModule", args: tuple, kwargs: dict, install, tried
     install(kept[0])
     remat.compile(backend="inductor")
     return kept
+
+
+def _call_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The plan-cache key of a call of a model captured per call: the call's signature, then the
+    values its capture depends on besides shapes (:func:`~fxremat.passes.capture.value_facts`)."""
+    return ("call",) + _signature((tuple(args), dict(kwargs))) + value_facts(model, args, kwargs)
 
 
 def _signature(inputs: tuple) -> tuple:
@@ -1348,10 +1377,18 @@ def _number_arguments_hint(signature: tuple) -> str:
 
 
 def _describe_signature(signature: tuple) -> str:
-    """The input shapes and the autocast state of a plan-cache key."""
+    """The input shapes, the autocast state and the input values' facts of a plan-cache key."""
     amp = [f"autocast {e[1]} {str(e[2]).removeprefix('torch.')}" for e in signature
            if isinstance(e, tuple) and len(e) == 3 and e[0] == "autocast"]
-    return _describe_inputs(signature) + (f" under {', '.join(amp)}" if amp else "")
+    facts = {e[0]: e[1] for e in signature if isinstance(e, tuple) and e and e[0] in _FACT_WORDS}
+    said = [_FACT_WORDS[name][value] for name, value in facts.items()]
+    return (_describe_inputs(signature) + (f" under {', '.join(amp)}" if amp else "")
+            + (f" ({', '.join(said)})" if said else ""))
+
+
+# How the facts of :func:`~fxremat.passes.capture.value_facts` read in a signature's description
+_FACT_WORDS = {"masks all ones": {True: "attention masks all ones", False: "padded or no attention masks"},
+               "positions step by one": {True: "one sequence a row", False: "packed sequences"}}
 
 
 class _State:
@@ -2156,7 +2193,7 @@ class RematModule(torch.nn.Module):
         **kwargs)`` for a model captured per call: captured and planned on first sight of the
         call's signature."""
         state = self._remat
-        key = ("call",) + _signature((tuple(args), dict(kwargs)))
+        key = _call_key(state.model, args, kwargs)
         entry = state.entry(key)
         if entry is None:
             start = time.perf_counter()

@@ -17,8 +17,9 @@ flatten a call's ``(args, kwargs)`` into those placeholders and to rebuild the o
 (a ``ModelOutput``, a dict, a tuple) from the graph's results.
 
 The captured graph is not always the code eager PyTorch runs: libraries take other paths when
-they see they are being exported (Hugging Face's attention masks and grouped-query attention,
-its loss's upcast logits), and with ``use_cache=False`` it builds no key/value cache, so it may
+they see they are being exported (Hugging Face's loss's upcast logits; its attention masks, which
+eager leaves out where the attention mask is all ones, reading its values, and an export never
+does: the capture follows eager there, keyed by those values, :func:`value_facts`), and with ``use_cache=False`` it builds no key/value cache, so it may
 keep more or fewer bytes than the model run plainly. :func:`capture_call` therefore runs the call
 once plainly and the graph once, and measures how much more the plain forward keeps, and its
 peak (``Captured.plain``), so that the plain peak fxremat reports and budgets are fractions of
@@ -70,7 +71,7 @@ import torch
 import torch.fx as fx
 from torch.fx._pytree import tree_flatten_spec
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_map_only, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
@@ -431,6 +432,19 @@ def _plain_calls(model: torch.nn.Module, modules: dict, args: tuple, kwargs: dic
     return calls
 
 
+def _plain_error(model: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """The error ``model(*args, **kwargs)`` raises run plainly (no gradients, its state put back),
+    or ``None``: a capture that failed in the top-level forward on the model's own error (a T5
+    config without ``decoder_start_token_id``, needed to shift the labels) was reported as code
+    torch.export cannot capture, with advice to make the line work on unknown values."""
+    try:
+        with preserved_state(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:  # whatever the model's own code raises is the user's to see
+        return exc
+    return None
+
+
 def _opaque(modules: dict, plain: dict[str, list[_PlainCall]]):
     """``make`` for :func:`_forwards_replaced` while capturing: the n-th call of a module is one
     ``fxremat::module_call`` op shaped as its n-th plain call."""
@@ -573,6 +587,130 @@ def _tensor_hooks_refused():
         torch.Tensor.register_hook = original
 
 
+# Transformers' mask builders leave a mask out where eager SDPA can do without it (``is_causal``,
+# grouped key/value heads as they are): they read the attention mask's values for that, and never
+# leave it out while exported, as an exported program serves any shape. A capture is specialised
+# to the call's shapes, and to the facts below, so it takes eager's path (:func:`_masks_as_eager`).
+_MASK_NAMES = ("attention_mask", "decoder_attention_mask", "encoder_attention_mask")
+_CACHE_BUILT = "a cache built plainly"  # a fact of the capture only: the call's own keywords set it
+_TRANSFORMERS_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> it holds a transformers module
+
+
+def _holds_transformers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is or holds a Hugging Face transformers module (looked up once a model)."""
+    held = _TRANSFORMERS_MODELS.get(model)
+    if held is None:
+        held = _TRANSFORMERS_MODELS[model] = any(type(m).__module__.startswith("transformers.")
+                                                 for m in model.modules())
+    return held
+
+
+_NAMED_INTEGERS = ("input_ids", "labels", "token_type_ids", "decoder_input_ids", "position_ids") + _MASK_NAMES
+
+
+def _named_tensors(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """The call's tensors with the last name on their way in: the forward's parameter, or the key
+    in a dict (a batch passed as one dict) or the attribute that holds them."""
+    try:
+        named = dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except TypeError:  # a forward that takes its inputs in another way: the keywords only
+        named = dict(kwargs, **{f"argument {i}": a for i, a in enumerate(args)})
+    leaves, _ = tree_flatten_with_path(named)
+    out = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not is_fake(leaf):
+            names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+            out.append((next((n for n in reversed(names) if n), ""), leaf))
+    return out
+
+
+def _one_sequence_a_row(positions: torch.Tensor) -> bool:
+    """Whether each row of ``positions`` steps by one (transformers finds no packed sequences)."""
+    return positions.shape[-1] < 2 or bool((positions.diff(dim=-1) == 1).all())
+
+
+def _packed_positions(values: torch.Tensor) -> bool:
+    """Whether ``values`` (2-D integers) could be position ids of packed sequences: each element
+    one more than the one before it or 0, and some 0 after the start (token ids are not so)."""
+    if values.shape[-1] < 2:
+        return False
+    later = values[:, 1:]
+    return bool(((later == values[:, :-1] + 1) | (later == 0)).all()) and not _one_sequence_a_row(values)
+
+
+def value_facts(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """The values besides shapes that a capture of ``model(*args, **kwargs)`` depends on, part of
+    its plan-cache key: for a model holding transformers modules (with its ``masking_utils``
+    loaded), whether every 2-D attention mask given (a tensor named as in ``_MASK_NAMES``: an
+    argument, a dict key) is all ones, and their shapes; and whether the position ids are one
+    sequence a row: those given step by one in each row, or, none given, no 2-D integer tensor
+    named otherwise than in ``_NAMED_INTEGERS`` looks like packed position ids (it could be
+    position ids under another name; token ids do not look so). Eager transformers reads the same values at each
+    call to choose its attention path; ``()`` for other models."""
+    if "transformers.masking_utils" not in sys.modules or not _holds_transformers(model):
+        return ()
+    tensors = [(n, t) for n, t in _named_tensors(model, args, kwargs) if t.dim() == 2]
+    masks = [t for n, t in tensors if n in _MASK_NAMES]
+    positions = [t for n, t in tensors if n == "position_ids"]
+    others = [t for n, t in tensors if n not in _NAMED_INTEGERS and not t.is_floating_point()]
+    # position ids under another name: those with a row that starts again at 0 (packed sequences)
+    steps = (all(_one_sequence_a_row(t) for t in positions) if positions
+             else not any(_packed_positions(t) for t in others))
+    ones = bool(masks) and all(bool(m.all()) for m in masks)
+    return (("masks all ones", ones, tuple(tuple(m.shape) for m in masks) if ones else ()),
+            ("positions step by one", steps))
+
+
+@contextlib.contextmanager
+def _masks_as_eager(facts: tuple):
+    """Transformers' mask builders (``masking_utils``) decide as eager does while ``facts``
+    (:func:`value_facts`) hold: a causal or bidirectional mask is left out (SDPA's ``is_causal``,
+    and ``enable_gqa`` for grouped key/value heads) where the padding mask is all ones or absent
+    and the shapes allow it, and position ids stepping by one are no packed sequences. Exported
+    as they are, the masks stayed explicit: Qwen2, Mistral and Llama trained with 18 of 27
+    gradients ~1e-8 off eager's on batches without padding. A padding mask of other shapes than the
+    arguments' keeps the export's path (no mask left out). Where the call leaves ``use_cache`` to
+    a config that sets it, eager builds a key/value cache and then never looks for packed
+    sequences (it attends across them); the capture, made with ``use_cache=False``, does the
+    same (it attended within them: the loss of a Qwen2 on packed position ids was 0.0047 off)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices",
+             "is_torchdynamo_exporting")
+    if not facts or masking is None or not all(hasattr(masking, n) for n in names):
+        yield
+        return
+    known = dict((fact[0], fact[1:]) for fact in facts)
+    ones, shapes = known["masks all ones"]
+    steps = known["positions step by one"][0] or known.get(_CACHE_BUILT, (False,))[0]
+    original = {n: getattr(masking, n) for n in names}
+
+    def padding(mask):  # the padding mask eager's decision sees: None where it is all ones
+        if mask is not None and is_fake(mask) and ones and tuple(mask.shape) in shapes:
+            return None
+        return mask
+
+    def causal(padding_mask, *rest, **options):
+        return original["_ignore_causal_mask_sdpa"](padding(padding_mask), *rest, **options)
+
+    def bidirectional(padding_mask, *rest, **options):
+        return original["_ignore_bidirectional_mask_sdpa"](padding(padding_mask), *rest, **options)
+
+    def packed(position_ids):
+        if steps and is_fake(position_ids):
+            return None
+        return original["find_packed_sequence_indices"](position_ids)
+
+    replaced = {"_ignore_causal_mask_sdpa": causal, "_ignore_bidirectional_mask_sdpa": bidirectional,
+                "find_packed_sequence_indices": packed, "is_torchdynamo_exporting": lambda: False}
+    for name, function in replaced.items():
+        setattr(masking, name, function)
+    try:
+        yield
+    finally:
+        for name, function in original.items():
+            setattr(masking, name, function)
+
+
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
 
 
@@ -614,7 +752,8 @@ def _partial_graphs_logged():
     sys.stderr.write(held.getvalue())
 
 
-def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, random_branches: dict) -> tuple:
+def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, random_branches: dict,
+            facts: tuple = ()) -> tuple:
     """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
     module) recorded as one op each; those that branch on a random draw go in ``random_branches``."""
@@ -626,7 +765,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
     try:
         with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
-              _tensor_hooks_refused(), _partial_graphs_logged()):
+              _tensor_hooks_refused(), _partial_graphs_logged(), _masks_as_eager(facts)):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     finally:
         calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)
@@ -710,7 +849,7 @@ def _layerdrop_first(model: torch.nn.Module, child: str) -> str:
     return ""
 
 
-def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) -> tuple:
+def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict, facts: tuple = ()) -> tuple:
     """:func:`_export` with the submodules ``given`` opaque, and those whose code export cannot
     capture, each class at once (one line of its code failed: its other instances run it too),
     warned about."""
@@ -720,7 +859,7 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
     for _ in range(_MAX_OPAQUE_ROUNDS):
         random_branches.clear()
         try:
-            result = _export(model, args, kwargs, opaque, random_branches)
+            result = _export(model, args, kwargs, opaque, random_branches, facts)
             break
         except Exception as exc:  # torch.export raises many types (UserError, GuardOnDataDependent, ...)
             if isinstance(exc, _PlainRunFailed):
@@ -732,6 +871,10 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict) ->
                                  where=where, hint=_refused_hint(model, mismatch.path, kept=False)) from exc
             failing = _failing_submodule(model, exc)
             where = user_line(exc)
+            if not failing and not opaque:  # the model itself may fail there, run plainly
+                own = _plain_error(model, args, kwargs)
+                if own is not None:
+                    raise _model_error(own, model) from None
             if not failing or failing in opaque:
                 hook = _cause_of_type(exc, _TensorHookNotCaptured)
                 hint = _refused_hint(model, failing) if hook is None or failing else (
@@ -810,7 +953,10 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
         fix = "remove its hooks" + ("" if compiled else ", or leave it out of leaf_modules")
         raise TypeError(f"fxremat: submodule {hooked[0]!r} has user hooks and {why} in a model captured with "
                         f"torch.export, where its hooks would run twice; {fix}")
-    exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given)
+    facts = value_facts(model, args, kwargs)
+    if facts and added.get("use_cache") is False and getattr(getattr(model, "config", None), "use_cache", False):
+        facts += ((_CACHE_BUILT, True),)  # plainly the call builds a cache: see _masks_as_eager
+    exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given, facts)
     if checkpoints:
         warnings.warn(own_checkpoint_warning(model, checkpoints[0]), stacklevel=3)
     gm, kept = _flat_graph(exported)
@@ -888,9 +1034,11 @@ def _check_gradients(model: torch.nn.Module, captured: Captured, args: tuple, kw
     """Warn where the captured graph's outputs equal the plain forward's but the gradients of the
     parameters (for the sum of the outputs ``keys`` names) do not: a path torch.export takes whose
     backward adds up in another order. Transformers' SDPA attention on a batch without padding
-    is one: eager calls SDPA with ``is_causal`` and its grouped key/value heads as they are
+    was one: eager calls SDPA with ``is_causal`` and its grouped key/value heads as they are
     (``enable_gqa``), the export with an explicit mask and the heads repeated (Qwen2, Mistral,
-    Llama at sequence 48: 18 parameters' gradients off by ~1e-8 at every step, silently). A
+    Llama at sequence 48: 18 parameters' gradients off by ~1e-8 at every step, silently); the
+    capture now follows eager there (:func:`_masks_as_eager`), and this still warns where a mask
+    reaches the model in a way :func:`value_facts` does not see. A
     gradient that differs from the plain model's own, run again, is nondeterminism (atomics on
     CUDA), not the capture's."""
     def plain_call():
@@ -916,19 +1064,22 @@ def _other_gradients_warning(model: torch.nn.Module, name: str, count: int, tota
                              relative: float | None) -> str:
     """The warning for a captured graph whose outputs equal the plain forward's while the
     gradients of its parameters do not."""
-    config = getattr(model, "config", None)
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "num_key_value_heads")]
+    config = configs[0] if configs else None
     heads, groups = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     attention = getattr(config, "_attn_implementation", None)
     how = f" (their sums {relative:.1e} apart)" if relative is not None else ""
     cause = ("its code takes another path while it is exported, whose backward adds up in another order")
     fix = "To train as eager does, compile the submodules that take one path"
     if attention == "sdpa" and heads and groups and groups < heads:
-        cause = (f"transformers' SDPA attention takes another path while it is exported: on a batch without "
-                 f"padding, eager calls scaled_dot_product_attention with is_causal and its {groups} key/value "
-                 f"heads as they are (enable_gqa), the export with an explicit mask and the heads repeated to "
-                 f"{heads}, whose gradients add up in another order")
-        fix = ('For gradients bitwise equal to eager\'s, load the model with attn_implementation="eager" (one '
-               "path, traced and plain), or train on batches that need a padding mask (the masked path in both)")
+        cause = (f"transformers' SDPA attention takes another path while it is exported: eager leaves the mask out "
+                 f"where the attention mask is all ones and calls scaled_dot_product_attention with is_causal and "
+                 f"its {groups} key/value heads as they are (enable_gqa), the export keeps an explicit mask and "
+                 f"repeats the heads to {heads}, whose gradients add up in another order (fxremat follows eager "
+                 f"for 2-D masks passed to the forward as {', '.join(_MASK_NAMES)}, and for position_ids; this "
+                 f"call's mask came in another way)")
+        fix = ('For gradients bitwise equal to eager\'s, pass the mask under one of those names, or load the model '
+               'with attn_implementation="eager" (one path, traced and plain)')
     return (f"fxremat: the graph torch.export captured of {type(model).__name__} computes the same outputs as its "
             f"forward run plainly, but other gradients: {count} of {total} parameters' ({name} first{how}); "
             f"{cause}. Training runs the captured graph, so its gradients differ from eager's in the last bits "

@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
@@ -477,15 +478,18 @@ def is_fake(values) -> bool:
 def _mutable(value):
     """``value`` with torch.fx's immutable lists and dicts (a node's arguments) made the plain
     ones the traced code built at each call: a wrapped function may fill in the list it is given
-    (torchvision's ``_get_window_and_shift_size``: swin3d_t failed to profile)."""
-    if isinstance(value, list):
+    (torchvision's ``_get_window_and_shift_size``: swin3d_t failed to profile). A value another node
+    returned is handed on as it is, as the generated code does: a Hugging Face ``ModelOutput`` (a
+    dict) made a plain dict lost its fields, and a wrapper of a leaf ``Qwen2Model`` failed to
+    profile on ``outputs.last_hidden_state``."""
+    if isinstance(value, immutable_list):
         return [_mutable(v) for v in value]
     if isinstance(value, tuple):  # a tuple's own type kept (a torch.Size, a named tuple)
         items = [_mutable(v) for v in value]
         if all(a is b for a, b in zip(items, value)):
             return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
+    if isinstance(value, immutable_dict):
         return {k: _mutable(v) for k, v in value.items()}
     return value
 
