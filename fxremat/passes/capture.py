@@ -433,12 +433,13 @@ def _plain_calls(model: torch.nn.Module, modules: dict, args: tuple, kwargs: dic
 
 
 def _plain_error(model: torch.nn.Module, args: tuple, kwargs: dict) -> Exception | None:
-    """The error ``model(*args, **kwargs)`` raises run plainly (no gradients, its state put back),
-    or ``None``: a capture that failed in the top-level forward on the model's own error (a T5
-    config without ``decoder_start_token_id``, needed to shift the labels) was reported as code
-    torch.export cannot capture, with advice to make the line work on unknown values."""
+    """The error ``model(*args, **kwargs)`` raises run plainly (with gradients, as it trains: a
+    forward registering a tensor hook fails without them; its state put back), or ``None``: a
+    capture that failed in the top-level forward on the model's own error (a T5 config without
+    ``decoder_start_token_id``, needed to shift the labels) was reported as code torch.export
+    cannot capture, with advice to make the line work on unknown values."""
     try:
-        with preserved_state(model), torch.no_grad():
+        with preserved_state(model), torch.enable_grad():
             model(*args, **kwargs)
     except Exception as exc:  # whatever the model's own code raises is the user's to see
         return exc
