@@ -41,7 +41,8 @@ from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call, value_facts
 from .passes.trace import (CALL_OPS, DifferentiatesInForward, HookWatch, ModeCall, SettingsWatch, has_hooks,
-                           is_torch_hook, module_of, output_rebuilder, trace, unpacked, varargs_reason, written_inputs)
+                           hooked_modules, is_torch_hook, module_of, output_rebuilder, trace, unpacked, varargs_reason,
+                           written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -822,7 +823,8 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
                      "; ".join(str(w.message) for w in said) or "nothing else")
             return None
     kept = _transformers_kept_whole(model, traced, leaf_modules)
-    if kept is not None and can_capture:
+    hooked = kept is not None and any(p == kept or p.startswith(kept + ".") for p in hooked_modules(model))
+    if kept is not None and can_capture and not hooked:  # (a capture would run hooks inside it once)
         # torch.fx made a leaf of most of the model: nothing inside it could be recomputed (a user's
         # wrapper of a Qwen2 causal LM saved 14% at "min"); the capture records its ATen ops
         log.info("fxremat: torch.fx kept %r of %s whole (%s); capturing each input signature with torch.export, "
@@ -1380,15 +1382,20 @@ def _describe_signature(signature: tuple) -> str:
     """The input shapes, the autocast state and the input values' facts of a plan-cache key."""
     amp = [f"autocast {e[1]} {str(e[2]).removeprefix('torch.')}" for e in signature
            if isinstance(e, tuple) and len(e) == 3 and e[0] == "autocast"]
-    facts = {e[0]: e[1] for e in signature if isinstance(e, tuple) and e and e[0] in _FACT_WORDS}
-    said = [_FACT_WORDS[name][value] for name, value in facts.items()]
+    facts = dict(e for e in signature if isinstance(e, tuple) and len(e) == 2 and e[0] in _FACT_NAMES)
+    said = []
+    if "masks all ones" in facts:
+        ones = facts["masks all ones"]
+        said.append("no attention mask" if not ones else "attention masks all ones" if all(ones) else
+                    "padded attention masks" if not any(ones) else "attention masks " + "/".join(
+                        "of ones" if one else "padded" for one in ones))
+    if "positions step by one" in facts:
+        said.append("one sequence a row" if facts["positions step by one"] else "packed sequences")
     return (_describe_inputs(signature) + (f" under {', '.join(amp)}" if amp else "")
             + (f" ({', '.join(said)})" if said else ""))
 
 
-# How the facts of :func:`~fxremat.passes.capture.value_facts` read in a signature's description
-_FACT_WORDS = {"masks all ones": {True: "attention masks all ones", False: "padded or no attention masks"},
-               "positions step by one": {True: "one sequence a row", False: "packed sequences"}}
+_FACT_NAMES = ("masks all ones", "positions step by one")  # :func:`~fxremat.passes.capture.value_facts`'s
 
 
 class _State:
@@ -2209,6 +2216,7 @@ class RematModule(torch.nn.Module):
                 state.planned_once = True
             emitted = _emit(gm, the_plan)
             entry = (the_plan, emitted, attribute_bindings(emitted, state.model), captured)
+            key = _call_key(state.model, args, kwargs)  # without facts where the capture read no mask
             log.info("fxremat: captured and planned %s for a new input signature in %.2fs: %s",
                      type(state.model).__name__, time.perf_counter() - start, the_plan.strategy)
             _warn_unfitted(state, key[1:])

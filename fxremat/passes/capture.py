@@ -64,6 +64,7 @@ import logging
 import operator
 import os
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -593,8 +594,16 @@ def _tensor_hooks_refused():
 # leave it out while exported, as an exported program serves any shape. A capture is specialised
 # to the call's shapes, and to the facts below, so it takes eager's path (:func:`_masks_as_eager`).
 _MASK_NAMES = ("attention_mask", "decoder_attention_mask", "encoder_attention_mask")
-_CACHE_BUILT = "a cache built plainly"  # a fact of the capture only: the call's own keywords set it
+_NAMED_INTEGERS = ("input_ids", "labels", "token_type_ids", "decoder_input_ids", "position_ids") + _MASK_NAMES
+_MASKING_NAMES = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices",
+                  "is_torchdynamo_exporting", "_preprocess_mask_arguments")
 _TRANSFORMERS_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> it holds a transformers module
+# model -> whether its last capture built a mask with transformers' masking_utils: where it did
+# not (a decoder layer compiled alone), no facts are read at its calls (each costs a device sync)
+_READS_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# patching masking_utils' globals and exporting is one step at a time (DataParallel's replicas
+# make their first calls, and so their captures, in threads of their own)
+_EXPORT_LOCK = threading.RLock()
 
 
 def _holds_transformers(model: torch.nn.Module) -> bool:
@@ -604,9 +613,6 @@ def _holds_transformers(model: torch.nn.Module) -> bool:
         held = _TRANSFORMERS_MODELS[model] = any(type(m).__module__.startswith("transformers.")
                                                  for m in model.modules())
     return held
-
-
-_NAMED_INTEGERS = ("input_ids", "labels", "token_type_ids", "decoder_input_ids", "position_ids") + _MASK_NAMES
 
 
 def _named_tensors(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
@@ -619,76 +625,117 @@ def _named_tensors(model: torch.nn.Module, args: tuple, kwargs: dict) -> list[tu
     leaves, _ = tree_flatten_with_path(named)
     out = []
     for path, leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and not is_fake(leaf):
+        if isinstance(leaf, torch.Tensor):
             names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
             out.append((next((n for n in reversed(names) if n), ""), leaf))
     return out
 
 
+def _named_masks(named: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """The 2-D attention masks among ``named`` (:func:`_named_tensors`), in order."""
+    return [t for n, t in named if n in _MASK_NAMES and t.dim() == 2]
+
+
 def _one_sequence_a_row(positions: torch.Tensor) -> bool:
-    """Whether each row of ``positions`` steps by one (transformers finds no packed sequences)."""
+    """Whether each row of ``positions`` (any number of dimensions: Qwen2-VL's are 3-D) steps by
+    one (transformers finds no packed sequences)."""
     return positions.shape[-1] < 2 or bool((positions.diff(dim=-1) == 1).all())
 
 
 def _packed_positions(values: torch.Tensor) -> bool:
     """Whether ``values`` (2-D integers) could be position ids of packed sequences: each element
-    one more than the one before it or 0, and some 0 after the start (token ids are not so)."""
-    if values.shape[-1] < 2:
+    one more than the one before it or 0, and a row that steps up and starts again at 0 (token
+    ids are not so, nor a tensor of zeros)."""
+    if values.shape[-1] < 3 or values.dtype == torch.bool:
         return False
-    later = values[:, 1:]
-    return bool(((later == values[:, :-1] + 1) | (later == 0)).all()) and not _one_sequence_a_row(values)
+    later, earlier = values[:, 1:], values[:, :-1]
+    up, reset = later == earlier + 1, later == 0
+    return bool((up | reset).all() & up.any() & reset.any())
 
 
 def value_facts(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """The values besides shapes that a capture of ``model(*args, **kwargs)`` depends on, part of
     its plan-cache key: for a model holding transformers modules (with its ``masking_utils``
-    loaded), whether every 2-D attention mask given (a tensor named as in ``_MASK_NAMES``: an
-    argument, a dict key) is all ones, and their shapes; and whether the position ids are one
-    sequence a row: those given step by one in each row, or, none given, no 2-D integer tensor
-    named otherwise than in ``_NAMED_INTEGERS`` looks like packed position ids (it could be
-    position ids under another name; token ids do not look so). Eager transformers reads the same values at each
-    call to choose its attention path; ``()`` for other models."""
-    if "transformers.masking_utils" not in sys.modules or not _holds_transformers(model):
+    loaded, and whose last capture built a mask with it), whether each 2-D attention mask given
+    (a tensor named as in ``_MASK_NAMES``: an argument, a dict key) is all ones; and whether the
+    position ids are one sequence a row: those named ``position_ids`` step by one in each row,
+    or, none given, no 2-D integer tensor named otherwise than in ``_NAMED_INTEGERS`` looks like
+    packed position ids (it could be position ids under another name; token ids do not look so).
+    Eager transformers reads the same values at each call to choose its attention path; ``()``
+    for other models."""
+    if ("transformers.masking_utils" not in sys.modules or not _holds_transformers(model)
+            or not _READS_MASKS.get(model, True)):
         return ()
-    tensors = [(n, t) for n, t in _named_tensors(model, args, kwargs) if t.dim() == 2]
-    masks = [t for n, t in tensors if n in _MASK_NAMES]
-    positions = [t for n, t in tensors if n == "position_ids"]
-    others = [t for n, t in tensors if n not in _NAMED_INTEGERS and not t.is_floating_point()]
-    # position ids under another name: those with a row that starts again at 0 (packed sequences)
-    steps = (all(_one_sequence_a_row(t) for t in positions) if positions
-             else not any(_packed_positions(t) for t in others))
-    ones = bool(masks) and all(bool(m.all()) for m in masks)
-    return (("masks all ones", ones, tuple(tuple(m.shape) for m in masks) if ones else ()),
+    named = [(n, t) for n, t in _named_tensors(model, args, kwargs) if not is_fake(t)]
+    positions = [t for n, t in named if n == "position_ids" and t.dim() >= 1]
+    if positions:
+        steps = all(_one_sequence_a_row(t) for t in positions)
+    else:  # position ids under another name: those with a row that starts again at 0 (packed sequences)
+        steps = not any(_packed_positions(t) for n, t in named
+                        if n not in _NAMED_INTEGERS and t.dim() == 2 and not t.is_floating_point())
+    return (("masks all ones", tuple(bool(m.all()) for m in _named_masks(named))),
             ("positions step by one", steps))
 
 
+def _eager_looks_for_packing(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether ``model(*args, **kwargs)`` run plainly (no gradients, its state put back) looks for
+    packed sequences in its position ids: transformers does only where it builds no key/value
+    cache, which depends on the model (BERT builds none unless a decoder; Qwen2 one where
+    ``use_cache`` is left to its config; none under gradient checkpointing)."""
+    masking = sys.modules["transformers.masking_utils"]
+    original, calls = masking.find_packed_sequence_indices, []
+
+    def counted(position_ids):
+        calls.append(1)
+        return original(position_ids)
+
+    with _EXPORT_LOCK, preserved_state(model), torch.no_grad():
+        masking.find_packed_sequence_indices = counted
+        try:
+            model(*args, **kwargs)
+        finally:
+            masking.find_packed_sequence_indices = original
+    return bool(calls)
+
+
 @contextlib.contextmanager
-def _masks_as_eager(facts: tuple):
+def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool = True):
     """Transformers' mask builders (``masking_utils``) decide as eager does while ``facts``
     (:func:`value_facts`) hold: a causal or bidirectional mask is left out (SDPA's ``is_causal``,
-    and ``enable_gqa`` for grouped key/value heads) where the padding mask is all ones or absent
-    and the shapes allow it, and position ids stepping by one are no packed sequences. Exported
-    as they are, the masks stayed explicit: Qwen2, Mistral and Llama trained with 18 of 27
-    gradients ~1e-8 off eager's on batches without padding. A padding mask of other shapes than the
-    arguments' keeps the export's path (no mask left out). Where the call leaves ``use_cache`` to
-    a config that sets it, eager builds a key/value cache and then never looks for packed
-    sequences (it attends across them); the capture, made with ``use_cache=False``, does the
-    same (it attended within them: the loss of a Qwen2 on packed position ids was 0.0047 off)."""
+    and ``enable_gqa`` for grouped key/value heads) where the padding mask is absent, or is one of
+    the call's own attention masks (the very tensor, as the model hands it on) that is all ones,
+    and the shapes allow it; position ids stepping by one are no packed sequences, nor any where
+    eager does not look for them (``packing_looked``: it builds a cache). Exported as they are,
+    the masks stayed explicit: Qwen2, Mistral and Llama trained with 18 of 27 gradients ~1e-8 off
+    eager's on batches without padding. Any other mask (one the model builds, one under another
+    name) keeps the export's path. Also records in ``_READS_MASKS`` whether the model built a mask."""
     masking = sys.modules.get("transformers.masking_utils")
-    names = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices",
-             "is_torchdynamo_exporting")
-    if not facts or masking is None or not all(hasattr(masking, n) for n in names):
+    if not facts or masking is None or not all(hasattr(masking, n) for n in _MASKING_NAMES):
         yield
         return
     known = dict((fact[0], fact[1:]) for fact in facts)
-    ones, shapes = known["masks all ones"]
-    steps = known["positions step by one"][0] or known.get(_CACHE_BUILT, (False,))[0]
-    original = {n: getattr(masking, n) for n in names}
+    ones = known["masks all ones"][0]
+    steps = known["positions step by one"][0] or not packing_looked
+    with _EXPORT_LOCK:
+        original = {n: getattr(masking, n) for n in _MASKING_NAMES}
+    given: list[torch.Tensor] = []  # the call's all-ones masks, as the export hands them to the forward
+    marked: list[torch.Tensor] = []  # those as masking_utils prepared them
+    used = []
+
+    def seen(module, args, kwargs):
+        masks = _named_masks(_named_tensors(module, args, kwargs))
+        given.extend(m for m, one in zip(masks, ones) if one)
+
+    def prepared(*args, **kwargs):
+        used.append(1)
+        out = original["_preprocess_mask_arguments"](*args, **kwargs)
+        mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+        if any(mask is m for m in given) and isinstance(out[1], torch.Tensor):
+            marked.append(out[1])
+        return out
 
     def padding(mask):  # the padding mask eager's decision sees: None where it is all ones
-        if mask is not None and is_fake(mask) and ones and tuple(mask.shape) in shapes:
-            return None
-        return mask
+        return None if mask is not None and any(mask is m for m in marked) else mask
 
     def causal(padding_mask, *rest, **options):
         return original["_ignore_causal_mask_sdpa"](padding(padding_mask), *rest, **options)
@@ -702,14 +749,19 @@ def _masks_as_eager(facts: tuple):
         return original["find_packed_sequence_indices"](position_ids)
 
     replaced = {"_ignore_causal_mask_sdpa": causal, "_ignore_bidirectional_mask_sdpa": bidirectional,
-                "find_packed_sequence_indices": packed, "is_torchdynamo_exporting": lambda: False}
-    for name, function in replaced.items():
-        setattr(masking, name, function)
-    try:
-        yield
-    finally:
-        for name, function in original.items():
+                "find_packed_sequence_indices": packed, "is_torchdynamo_exporting": lambda: False,
+                "_preprocess_mask_arguments": prepared}
+    with _EXPORT_LOCK:
+        hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+        for name, function in replaced.items():
             setattr(masking, name, function)
+        try:
+            yield
+        finally:
+            hook.remove()
+            for name, function in original.items():
+                setattr(masking, name, function)
+    _READS_MASKS[model] = bool(used)
 
 
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
@@ -754,19 +806,21 @@ def _partial_graphs_logged():
 
 
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, random_branches: dict,
-            facts: tuple = ()) -> tuple:
+            facts: tuple = ((), True)) -> tuple:
     """``(exported program, its custom Function calls, its opaque submodule calls, the model's own
     checkpoint calls)``: one ``torch.export`` of the call with the submodules ``opaque`` (path ->
-    module) recorded as one op each; those that branch on a random draw go in ``random_branches``."""
+    module) recorded as one op each; those that branch on a random draw go in ``random_branches``;
+    ``facts``: the call's :func:`value_facts` and whether eager looks for packed sequences
+    (:func:`_masks_as_eager`)."""
     checkpoints: list[str] = []
     try:
         plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
     except Exception as exc:  # the model's own code on real tensors: no capture involved
         raise _PlainRunFailed() from exc
     try:
-        with (functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
+        with (_EXPORT_LOCK, functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
-              _tensor_hooks_refused(), _partial_graphs_logged(), _masks_as_eager(facts)):
+              _tensor_hooks_refused(), _partial_graphs_logged(), _masks_as_eager(model, *facts)):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
     finally:
         calls, module_calls = dict(_CALLS), dict(_MODULE_CALLS)
@@ -850,7 +904,7 @@ def _layerdrop_first(model: torch.nn.Module, child: str) -> str:
     return ""
 
 
-def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict, facts: tuple = ()) -> tuple:
+def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict, facts: tuple = ((), True)) -> tuple:
     """:func:`_export` with the submodules ``given`` opaque, and those whose code export cannot
     capture, each class at once (one line of its code failed: its other instances run it too),
     warned about."""
@@ -954,9 +1008,11 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
         fix = "remove its hooks" + ("" if compiled else ", or leave it out of leaf_modules")
         raise TypeError(f"fxremat: submodule {hooked[0]!r} has user hooks and {why} in a model captured with "
                         f"torch.export, where its hooks would run twice; {fix}")
+    _READS_MASKS.pop(model, None)  # facts are read for the capture itself
     facts = value_facts(model, args, kwargs)
-    if facts and added.get("use_cache") is False and getattr(getattr(model, "config", None), "use_cache", False):
-        facts += ((_CACHE_BUILT, True),)  # plainly the call builds a cache: see _masks_as_eager
+    # the call builds a cache plainly (use_cache left to the config) and may not look for packing
+    looked = not (facts and not facts[1][1] and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
+    facts = (facts, looked)
     exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given, facts)
     if checkpoints:
         warnings.warn(own_checkpoint_warning(model, checkpoints[0]), stacklevel=3)
