@@ -607,6 +607,20 @@ def test_a_captured_model_that_builds_no_mask_reads_no_values_at_its_calls():
     assert len(remat._remat.cache) == 1
 
 
+def test_labels_given_as_the_token_ids_themselves_do_not_stand_in_for_them_later():
+    """``model(input_ids=ids, labels=ids)`` at compile: torch.export made one input of the two and
+    the graph looked the embedding up in ``labels``; the next batch, whose labels mask the prompt
+    with -100, failed with "index out of range" (other labels: other values, silently)."""
+    transformers = pytest.importorskip("transformers")
+    plain, model = _qwen2(transformers)
+    first = _batch("none")
+    assert first["labels"] is first["input_ids"]
+    remat = fxremat.compile(model, "min", cost_model="flops", example_inputs=first)
+    later = dict(first, labels=first["input_ids"].masked_fill(torch.arange(48) < 7, -100))
+    assert _gradients_differ(plain, remat, later) == []
+    assert _gradients_differ(plain, remat, first) == []
+
+
 def test_a_mask_the_capture_cannot_see_still_warns_with_the_fix():
     """A mask of ones passed in a way the capture cannot name (``*batch``): it cannot know its
     values, keeps the export's explicit mask, and warns, naming the names it follows and the eager

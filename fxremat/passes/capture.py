@@ -1013,7 +1013,9 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     # the call builds a cache plainly (use_cache left to the config) and may not look for packing
     looked = not (facts and not facts[1][1] and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
     facts = (facts, looked)
-    exported, calls, module_calls, checkpoints, opaque = _exported(model, args, {**kwargs, **added}, given, facts)
+    distinct_args, distinct_kwargs = _distinct_inputs(args, {**kwargs, **added})
+    exported, calls, module_calls, checkpoints, opaque = _exported(model, distinct_args, distinct_kwargs, given,
+                                                                   facts)
     if checkpoints:
         warnings.warn(own_checkpoint_warning(model, checkpoints[0]), stacklevel=3)
     gm, kept = _flat_graph(exported)
@@ -1027,6 +1029,25 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     plain = (PlainForward(peak_bytes=0) if checkpoints
              else _plain_forward(model, captured, args, kwargs))
     return dataclasses.replace(captured, plain=plain)
+
+
+def _distinct_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with each tensor that shares its memory with one before it (the same
+    tensor given twice: ``model(input_ids=ids, labels=ids)``) replaced by a copy. torch.export
+    makes one fake tensor of both, and the graph read the token ids from whichever placeholder
+    it chose: a Qwen2's embedding looked up ``labels``, and the next call with ``-100`` in its
+    labels failed with "index out of range" (other labels than the ids: wrong values, silently).
+    Copies give each input a placeholder of its own, right for calls that share and that do not."""
+    leaves, spec = tree_flatten((tuple(args), dict(kwargs)))
+    seen, out = set(), []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and not is_fake(leaf) and leaf.layout == torch.strided:
+            memory = (leaf.device, leaf.untyped_storage().data_ptr())
+            if memory in seen and leaf.untyped_storage().nbytes():
+                leaf = leaf.detach().clone().requires_grad_(leaf.requires_grad)
+            seen.add(memory)
+        out.append(leaf)
+    return tree_unflatten(out, spec)
 
 
 def _plain_forward(model: torch.nn.Module, captured: Captured, args: tuple, kwargs: dict) -> PlainForward:
