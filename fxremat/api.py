@@ -824,9 +824,10 @@ def _traced(model: torch.nn.Module, leaf_modules, api: str, can_capture: bool,
             return None
     kept = _transformers_kept_whole(model, traced, leaf_modules)
     hooked = kept is not None and any(p == kept or p.startswith(kept + ".") for p in hooked_modules(model))
-    if kept is not None and can_capture and not hooked:  # (a capture would run hooks inside it once)
+    if kept is not None and not hooked:  # (a capture would run hooks inside it once)
         # torch.fx made a leaf of most of the model: nothing inside it could be recomputed (a user's
-        # wrapper of a Qwen2 causal LM saved 14% at "min"); the capture records its ATen ops
+        # wrapper of a Qwen2 causal LM saved 14% at "min"); the capture records its ATen ops. Without
+        # example inputs, as the transformers model alone: captured at the first training call
         log.info("fxremat: torch.fx kept %r of %s whole (%s); capturing each input signature with torch.export, "
                  "which sees inside it", kept, type(model).__name__, "; ".join(str(w.message) for w in said))
         return None

@@ -598,8 +598,9 @@ _NAMED_INTEGERS = ("input_ids", "labels", "token_type_ids", "decoder_input_ids",
 _MASKING_NAMES = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa", "find_packed_sequence_indices",
                   "is_torchdynamo_exporting", "_preprocess_mask_arguments")
 _TRANSFORMERS_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model -> it holds a transformers module
-# model -> whether its last capture built a mask with transformers' masking_utils: where it did
-# not (a decoder layer compiled alone), no facts are read at its calls (each costs a device sync)
+# model -> whether one of its captures decided on the facts (left a mask out, or looked for packed
+# sequences, or might have): where none did (a decoder layer compiled alone, eager attention), no
+# facts are read at its calls (each costs a device sync) and they are no part of its plan-cache key
 _READS_MASKS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # patching masking_utils' globals and exporting is one step at a time (DataParallel's replicas
 # make their first calls, and so their captures, in threads of their own)
@@ -656,15 +657,21 @@ def _packed_positions(values: torch.Tensor) -> bool:
 def value_facts(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """The values besides shapes that a capture of ``model(*args, **kwargs)`` depends on, part of
     its plan-cache key: for a model holding transformers modules (with its ``masking_utils``
-    loaded, and whose last capture built a mask with it), whether each 2-D attention mask given
+    loaded, and unless none of its captures decided on them), whether each 2-D attention mask given
     (a tensor named as in ``_MASK_NAMES``: an argument, a dict key) is all ones; and whether the
     position ids are one sequence a row: those named ``position_ids`` step by one in each row,
     or, none given, no 2-D integer tensor named otherwise than in ``_NAMED_INTEGERS`` looks like
     packed position ids (it could be position ids under another name; token ids do not look so).
     Eager transformers reads the same values at each call to choose its attention path; ``()``
     for other models."""
-    if ("transformers.masking_utils" not in sys.modules or not _holds_transformers(model)
-            or not _READS_MASKS.get(model, True)):
+    if not _READS_MASKS.get(model, True):
+        return ()
+    return _facts(model, args, kwargs)
+
+
+def _facts(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """:func:`value_facts` read whatever the model's captures did."""
+    if "transformers.masking_utils" not in sys.modules or not _holds_transformers(model):
         return ()
     named = [(n, t) for n, t in _named_tensors(model, args, kwargs) if not is_fake(t)]
     positions = [t for n, t in named if n == "position_ids" and t.dim() >= 1]
@@ -708,7 +715,7 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
     eager does not look for them (``packing_looked``: it builds a cache). Exported as they are,
     the masks stayed explicit: Qwen2, Mistral and Llama trained with 18 of 27 gradients ~1e-8 off
     eager's on batches without padding. Any other mask (one the model builds, one under another
-    name) keeps the export's path. Also records in ``_READS_MASKS`` whether the model built a mask."""
+    name) keeps the export's path. Also records in ``_READS_MASKS`` whether a decision was made."""
     masking = sys.modules.get("transformers.masking_utils")
     if not facts or masking is None or not all(hasattr(masking, n) for n in _MASKING_NAMES):
         yield
@@ -720,14 +727,13 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
         original = {n: getattr(masking, n) for n in _MASKING_NAMES}
     given: list[torch.Tensor] = []  # the call's all-ones masks, as the export hands them to the forward
     marked: list[torch.Tensor] = []  # those as masking_utils prepared them
-    used = []
+    decided = []  # a decision the facts could change was made
 
     def seen(module, args, kwargs):
         masks = _named_masks(_named_tensors(module, args, kwargs))
         given.extend(m for m, one in zip(masks, ones) if one)
 
     def prepared(*args, **kwargs):
-        used.append(1)
         out = original["_preprocess_mask_arguments"](*args, **kwargs)
         mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
         if any(mask is m for m in given) and isinstance(out[1], torch.Tensor):
@@ -738,12 +744,15 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
         return None if mask is not None and any(mask is m for m in marked) else mask
 
     def causal(padding_mask, *rest, **options):
+        decided.append(1)
         return original["_ignore_causal_mask_sdpa"](padding(padding_mask), *rest, **options)
 
     def bidirectional(padding_mask, *rest, **options):
+        decided.append(1)
         return original["_ignore_bidirectional_mask_sdpa"](padding(padding_mask), *rest, **options)
 
     def packed(position_ids):
+        decided.append(1)
         if steps and is_fake(position_ids):
             return None
         return original["find_packed_sequence_indices"](position_ids)
@@ -761,7 +770,7 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
             hook.remove()
             for name, function in original.items():
                 setattr(masking, name, function)
-    _READS_MASKS[model] = bool(used)
+    _READS_MASKS[model] = _READS_MASKS.get(model, False) or bool(decided)  # once it did, keys keep them
 
 
 _DISTRIBUTIONS_DIR = os.path.join(os.path.dirname(torch.__file__), "distributions") + os.sep
@@ -1008,8 +1017,7 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
         fix = "remove its hooks" + ("" if compiled else ", or leave it out of leaf_modules")
         raise TypeError(f"fxremat: submodule {hooked[0]!r} has user hooks and {why} in a model captured with "
                         f"torch.export, where its hooks would run twice; {fix}")
-    _READS_MASKS.pop(model, None)  # facts are read for the capture itself
-    facts = value_facts(model, args, kwargs)
+    facts = _facts(model, args, kwargs)
     # the call builds a cache plainly (use_cache left to the config) and may not look for packing
     looked = not (facts and not facts[1][1] and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
     facts = (facts, looked)
