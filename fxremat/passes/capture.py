@@ -685,10 +685,12 @@ def _facts(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 
 def _eager_looks_for_packing(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether ``model(*args, **kwargs)`` run plainly (no gradients, its state put back) looks for
-    packed sequences in its position ids: transformers does only where it builds no key/value
-    cache, which depends on the model (BERT builds none unless a decoder; Qwen2 one where
-    ``use_cache`` is left to its config; none under gradient checkpointing)."""
+    """Whether ``model(*args, **kwargs)`` run plainly as it trains (gradients on, its state put
+    back) looks for packed sequences in its position ids: transformers does only where it builds
+    no key/value cache, which depends on the model (BERT builds none unless a decoder; Qwen2 one
+    where ``use_cache`` is left to its config; none under gradient checkpointing, which turns
+    ``use_cache`` off only with gradients on: run without them, a Qwen2 with gradient
+    checkpointing built a cache, and its capture attended across packed sequences, loss 0.0095 off)."""
     masking = sys.modules["transformers.masking_utils"]
     original, calls = masking.find_packed_sequence_indices, []
 
@@ -696,7 +698,7 @@ def _eager_looks_for_packing(model: torch.nn.Module, args: tuple, kwargs: dict) 
         calls.append(1)
         return original(position_ids)
 
-    with _EXPORT_LOCK, preserved_state(model), torch.no_grad():
+    with _EXPORT_LOCK, preserved_state(model), torch.enable_grad():
         masking.find_packed_sequence_indices = counted
         try:
             model(*args, **kwargs)
