@@ -1164,10 +1164,11 @@ def _other_gradients_warning(model: torch.nn.Module, name: str, count: int, tota
                  f"where the attention mask is all ones and calls scaled_dot_product_attention with is_causal and "
                  f"its {groups} key/value heads as they are (enable_gqa), the export keeps an explicit mask and "
                  f"repeats the heads to {heads}, whose gradients add up in another order (fxremat follows eager "
-                 f"for 2-D masks passed to the forward as {', '.join(_MASK_NAMES)}, and for position_ids; this "
-                 f"call's mask came in another way)")
-        fix = ('For gradients bitwise equal to eager\'s, pass the mask under one of those names, or load the model '
-               'with attn_implementation="eager" (one path, traced and plain)')
+                 f"for the very 2-D masks passed to the forward as {', '.join(_MASK_NAMES)}, and for "
+                 f"position_ids; this call's mask came in another way, or was computed in the forward)")
+        fix = ('For gradients bitwise equal to eager\'s, pass the batch\'s mask to the forward under one of those '
+               'names and hand it on as it is (a mask the forward computes, as ids.ne(pad), keeps the explicit '
+               'path), or load the model with attn_implementation="eager" (one path, traced and plain)')
     return (f"fxremat: the graph torch.export captured of {type(model).__name__} computes the same outputs as its "
             f"forward run plainly, but other gradients: {count} of {total} parameters' ({name} first{how}); "
             f"{cause}. Training runs the captured graph, so its gradients differ from eager's in the last bits "
