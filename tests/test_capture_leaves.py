@@ -579,6 +579,31 @@ def test_a_wrapper_whose_language_model_has_hooks_stays_traced_and_its_hooks_fir
     assert remat._remat.traced is not None and seen == ["Tensor"]
 
 
+def test_a_hook_inside_a_captured_model_runs_at_each_step_once():
+    """torch.export ran a forward hook on a Qwen2 layer once, on fake tensors, recording what it
+    does to the output into the graph, and never again: its Python (a probe storing activations,
+    a counter) ran 0 times a step, silently. The hooked layer is kept whole now, its hooks held
+    out of the export: they run once a step, and a hook that scales the output scales it once."""
+    transformers = pytest.importorskip("transformers")
+    plain, model = _qwen2(transformers)
+    calls = {"plain": 0, "compiled": 0}
+
+    def scaling(name):
+        def hook(module, args, out):
+            calls[name] += 1
+            return (out[0] * 1.5, *out[1:]) if isinstance(out, tuple) else out * 1.5
+        return hook
+
+    plain.model.layers[0].register_forward_hook(scaling("plain"))
+    model.model.layers[0].register_forward_hook(scaling("compiled"))
+    batch = _batch("ones")
+    remat, found = _compiled_warnings(model, batch)
+    assert remat._remat.traced is None and found == []
+    calls.update(plain=0, compiled=0)
+    assert _gradients_differ(plain, remat, batch) == []
+    assert calls == {"plain": 1, "compiled": 1}
+
+
 class _FeedForward(nn.Module):
     """A transformers MLP compiled alone: captured per call (its forward takes ``*args``), it
     builds no mask."""

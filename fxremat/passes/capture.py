@@ -824,12 +824,14 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
     ``facts``: the call's :func:`value_facts` and whether eager looks for packed sequences
     (:func:`_masks_as_eager`)."""
     checkpoints: list[str] = []
+    held = _hooks_held_out(model)  # they run at each call of the graph's module nodes, not here
     try:
-        plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
+        with held:
+            plain = _plain_calls(model, opaque, args, kwargs, random_branches) if opaque else {}
     except Exception as exc:  # the model's own code on real tensors: no capture involved
         raise _PlainRunFailed() from exc
     try:
-        with (_EXPORT_LOCK, functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
+        with (_EXPORT_LOCK, _hooks_held_out(model), functions_routed(_as_one_op), own_checkpoints_seen(checkpoints),
               python_draws_warned(model, "torch.export"), _forwards_replaced(opaque, _opaque(opaque, plain)),
               _tensor_hooks_refused(), _partial_graphs_logged(), _masks_as_eager(model, *facts)):
             exported = torch.export.export(model, tuple(args), kwargs, strict=False)
@@ -838,6 +840,26 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, opaque: dict, ran
         _CALLS.clear()
         _MODULE_CALLS.clear()
     return exported, calls, module_calls, checkpoints
+
+
+@contextlib.contextmanager
+def _hooks_held_out(model: torch.nn.Module):
+    """The user hooks of ``model``'s submodules (each kept whole by the capture, or inside one that
+    is) taken off while the block runs and put back after: the export records one op of such a
+    module, and its hooks run around that op's module call at each training step, once, as in
+    eager PyTorch (run by the export too, they were recorded into the graph as well)."""
+    modules = [model.get_submodule(path) for path in hooked_modules(model) if path != "<global>"]
+    saved = [(m, name, getattr(m, name)) for m in modules for name in _MODULE_HOOK_DICTS]
+    for module, name, hooks in saved:
+        setattr(module, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for module, name, hooks in saved:
+            setattr(module, name, hooks)
+
+
+_MODULE_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 class _PlainRunFailed(Exception):
@@ -1008,17 +1030,13 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     if added:
         log.info("fxremat: %s captured with %s (training)", type(model).__name__, added)
     classes = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
-    # compiled submodules (RematModules) are kept whole too: each runs its own plan
+    # compiled submodules (RematModules) are kept whole too: each runs its own plan; and those with
+    # user hooks, as in a traced model: torch.export would run a hook once, on fake tensors, and
+    # never at a training step (a probe's hook on a Qwen2 layer was called 0 times a step)
+    hooked = hooked_modules(model) - {"<global>"}
     given = {path: m for path, m in model.named_modules()
-             if path and (path in leaf_modules or isinstance(m, classes) or is_compiled(m))}
+             if path and (path in leaf_modules or isinstance(m, classes) or is_compiled(m) or path in hooked)}
     given = {p: m for p, m in given.items() if not any(p.startswith(o + ".") for o in given)}  # outermost
-    hooked = sorted(given.keys() & hooked_modules(model))
-    if hooked:
-        compiled = is_compiled(given[hooked[0]])
-        why = "it is a compiled RematModule, kept whole" if compiled else "leaf_modules keeps it whole"
-        fix = "remove its hooks" + ("" if compiled else ", or leave it out of leaf_modules")
-        raise TypeError(f"fxremat: submodule {hooked[0]!r} has user hooks and {why} in a model captured with "
-                        f"torch.export, where its hooks would run twice; {fix}")
     facts = _facts(model, args, kwargs)
     # the call builds a cache plainly (use_cache left to the config) and may not look for packing
     looked = not (facts and not facts[1][1] and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
