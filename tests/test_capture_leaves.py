@@ -602,6 +602,10 @@ def test_a_hook_inside_a_captured_model_runs_at_each_step_once():
     calls.update(plain=0, compiled=0)
     assert _gradients_differ(plain, remat, batch) == []
     assert calls == {"plain": 1, "compiled": 1}
+    # transformers' own hooks (installed at the first call: they collect hidden_states) stay in
+    # the export: held out with the user's, SegFormer's decode head got no hidden states
+    states = [m(**batch, output_hidden_states=True).hidden_states for m in (plain, remat)]
+    assert len(states[0]) == len(states[1]) == 2 and all(map(torch.equal, *states))
 
 
 class _FeedForward(nn.Module):

@@ -77,9 +77,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
 from .profile import PlainForward, is_fake, forward_bytes, preserved_state
-from .trace import (function_call, functions_routed, hooked_modules, is_compiled, own_checkpoint_warning,
-                    own_checkpoints_seen, python_draws_warned, restore_modes, trace, user_line, user_stack_line,
-                    varargs_reason)
+from .trace import (function_call, functions_routed, hooked_modules, is_compiled, is_torch_hook,
+                    own_checkpoint_warning, own_checkpoints_seen, python_draws_warned, restore_modes, trace, user_line,
+                    user_stack_line, varargs_reason)
 
 __all__ = ["Captured", "capture_call", "tensor_leaves"]
 
@@ -850,12 +850,13 @@ def _hooks_held_out(model: torch.nn.Module):
     eager PyTorch (run by the export too, they were recorded into the graph as well)."""
     modules = [model.get_submodule(path) for path in hooked_modules(model) if path != "<global>"]
     saved = [(m, name, getattr(m, name)) for m in modules for name in _MODULE_HOOK_DICTS]
-    for module, name, hooks in saved:
-        setattr(module, name, type(hooks)())
+    for module, name, hooks in saved:  # torch's and transformers' own stay: part of the computation
+        setattr(module, name, type(hooks)((key, hook) for key, hook in hooks.items() if is_torch_hook(hook)))
     try:
         yield
     finally:
-        for module, name, hooks in saved:
+        for module, name, hooks in saved:  # with those the block added (transformers installs its own)
+            hooks.update((key, hook) for key, hook in getattr(module, name).items() if key not in hooks)
             setattr(module, name, hooks)
 
 

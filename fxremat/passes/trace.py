@@ -339,12 +339,18 @@ def has_hooks(module: torch.nn.Module) -> bool:
 
 
 def is_torch_hook(hook) -> bool:
-    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``): part of the module's
-    computation rather than a user's observer."""
+    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``), or is transformers' own
+    output capturing (installed on the first call, it hands a layer's output to the model's
+    ``hidden_states``): part of the module's computation rather than a user's observer."""
     fn = getattr(hook, "func", hook)  # functools.partial
     fn = getattr(fn, "__func__", fn)  # bound methods
     module = getattr(fn, "__module__", None) or type(fn).__module__
-    return module == "torch" or module.startswith("torch.")
+    return module == "torch" or module.startswith(("torch.",) + _LIBRARY_HOOK_MODULES)
+
+
+# transformers' output capturing (5.x; in utils.generic before): a held-out hook of it left
+# SegFormer's decode head an empty tuple of hidden states
+_LIBRARY_HOOK_MODULES = ("transformers.utils.output_capturing", "transformers.utils.generic")
 
 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
