@@ -608,6 +608,18 @@ def test_a_hook_inside_a_captured_model_runs_at_each_step_once():
     assert len(states[0]) == len(states[1]) == 2 and all(map(torch.equal, *states))
 
 
+def test_a_hooked_layer_handed_a_cache_is_refused_naming_the_hook_and_use_cache():
+    """A hooked layer is kept whole; called with use_cache=True it would be handed a DynamicCache,
+    which a graph cannot hold: refused at once, the error naming the hooks and the fix (it said
+    only that torch.export could not capture the layer's code)."""
+    transformers = pytest.importorskip("transformers")
+    _, model = _qwen2(transformers)
+    model.model.layers[0].register_forward_hook(lambda module, args, out: None)
+    batch = dict(_batch("ones"), use_cache=True)
+    with pytest.raises(fxremat.TraceError, match="kept whole because it has user hooks.*use_cache=False"):
+        fxremat.compile(model, "min", cost_model="flops", example_inputs=batch)
+
+
 class _FeedForward(nn.Module):
     """A transformers MLP compiled alone: captured per call (its forward takes ``*args``), it
     builds no mask."""

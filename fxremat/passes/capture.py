@@ -956,8 +956,14 @@ def _exported(model: torch.nn.Module, args: tuple, kwargs: dict, given: dict, fa
             mismatch = _cause_of_type(exc, _OpaqueMismatch)
             if mismatch is not None:
                 where = next((w for _, _, paths, w, _ in said if mismatch.path in paths), None)
+                hint = _refused_hint(model, mismatch.path, kept=False)
+                if mismatch.path in hooked_modules(model):
+                    hint = ("it is kept whole because it has user hooks (torch.export would run them once, on fake "
+                            "tensors, and never at a training step); remove its hooks while training under fxremat, "
+                            "or call the model without that object (use_cache=False for a transformers model), "
+                            "or " + hint)
                 raise TraceError(mismatch.path, mismatch, module_class=type(opaque[mismatch.path]).__name__,
-                                 where=where, hint=_refused_hint(model, mismatch.path, kept=False)) from exc
+                                 where=where, hint=hint) from exc
             failing = _failing_submodule(model, exc)
             where = user_line(exc)
             if not failing and not opaque:  # the model itself may fail there, run plainly
