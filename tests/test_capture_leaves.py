@@ -620,6 +620,28 @@ def test_a_hooked_layer_handed_a_cache_is_refused_naming_the_hook_and_use_cache(
         fxremat.compile(model, "min", cost_model="flops", example_inputs=batch)
 
 
+class _Captured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, *xs):  # *xs: captured per call
+        return self.b(torch.relu(self.a(xs[0]))).sum()
+
+
+def test_a_global_module_hook_is_refused_for_a_captured_model():
+    """torch.export ran a global module hook for each module once, on fake tensors; at a training
+    step it saw none of the model's modules (eager: Linear, Linear, the model), silently."""
+    model, x = _Captured(), torch.randn(4, 8)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(TypeError, match="global module hook.*remove the global hook"):
+            fxremat.compile(model, "min", cost_model="flops", example_inputs=(x,))
+    finally:
+        handle.remove()
+    assert isinstance(fxremat.compile(model, "min", cost_model="flops", example_inputs=(x,)), fxremat.RematModule)
+
+
 class _FeedForward(nn.Module):
     """A transformers MLP compiled alone: captured per call (its forward takes ``*args``), it
     builds no mask."""

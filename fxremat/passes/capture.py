@@ -1040,7 +1040,14 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
     # compiled submodules (RematModules) are kept whole too: each runs its own plan; and those with
     # user hooks, as in a traced model: torch.export would run a hook once, on fake tensors, and
     # never at a training step (a probe's hook on a Qwen2 layer was called 0 times a step)
-    hooked = hooked_modules(model) - {"<global>"}
+    hooked = hooked_modules(model)
+    if "<global>" in hooked:
+        raise TypeError(
+            f"fxremat: a global module hook is set (torch.nn.modules.module.register_module_forward_hook or its "
+            f"pre-/backward kin) while {type(model).__name__} is captured with torch.export, which would run it "
+            f"once per module, on fake tensors, and never at a training step (the captured graph calls no "
+            f"submodules); remove the global hook while training under fxremat (register it on the submodules "
+            f"you watch: they are then kept whole, and it fires at each step)")
     given = {path: m for path, m in model.named_modules()
              if path and (path in leaf_modules or isinstance(m, classes) or is_compiled(m) or path in hooked)}
     given = {p: m for p, m in given.items() if not any(p.startswith(o + ".") for o in given)}  # outermost
