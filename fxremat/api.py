@@ -41,8 +41,8 @@ from .passes import partition
 from .passes.rewrite import rewrite
 from .passes.capture import capture_call, value_facts
 from .passes.trace import (CALL_OPS, DifferentiatesInForward, HookWatch, ModeCall, SettingsWatch, has_hooks,
-                           hooked_modules, is_torch_hook, module_of, output_rebuilder, trace, unpacked, varargs_reason,
-                           written_inputs)
+                           hooked_modules, is_library_hook, module_of, output_rebuilder, trace, unpacked,
+                           varargs_reason, written_inputs)
 from .identity import check_plan, graph_key, plan_schedule
 from .planner import DEFAULT_EXACT_CAP, DEFAULT_ROTOR_SLOTS, STRATEGIES, Choice, choose, recompute_time
 from .records import NodeInfo, Plan, Segment, Trial, read_plan, validate_plan
@@ -1813,7 +1813,7 @@ def _warn_hooks_recomputed(state: "_State", the_plan: Plan) -> None:
     hooked = []
     for name in sorted(state.hooks.names & modules):
         module = state.model.get_submodule(name)
-        if any(not is_torch_hook(h) for h in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())):
+        if any(not is_library_hook(h) for h in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())):
             hooked.append(name)
     if not hooked:
         return

@@ -400,7 +400,7 @@ def test_grouped_query_attention_trains_bitwise_on_every_kind_of_batch(kind):
     """Qwen2 (2 key/value heads for 4), SDPA attention: on a batch without padding (no mask, a
     mask of ones, position ids 0..n-1) eager calls SDPA with is_causal and the heads as they are
     (enable_gqa), reading the mask's values to leave it out; the export always kept an explicit
-    mask and repeated the heads, and 6 of 11 gradients came out ~1e-8 off eager's at every step
+    mask and repeated the heads, and 6 of 15 gradients came out ~1e-8 off eager's at every step
     (warned). The capture now takes eager's path on each kind of batch: bitwise, no warning.
     Packed position ids with ``use_cache`` left to the config: eager builds a cache and then
     attends across the sequences, the capture (``use_cache=False``) attended within them (loss

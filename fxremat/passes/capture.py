@@ -19,8 +19,8 @@ flatten a call's ``(args, kwargs)`` into those placeholders and to rebuild the o
 The captured graph is not always the code eager PyTorch runs: libraries take other paths when
 they see they are being exported (Hugging Face's loss's upcast logits; its attention masks, which
 eager leaves out where the attention mask is all ones, reading its values, and an export never
-does: the capture follows eager there, keyed by those values, :func:`value_facts`), and with ``use_cache=False`` it builds no key/value cache, so it may
-keep more or fewer bytes than the model run plainly. :func:`capture_call` therefore runs the call
+does: the capture follows eager there, keyed by those values, :func:`value_facts`), and with
+``use_cache=False`` it builds no key/value cache, so it may keep more or fewer bytes than the model run plainly. :func:`capture_call` therefore runs the call
 once plainly and the graph once, and measures how much more the plain forward keeps, and its
 peak (``Captured.plain``), so that the plain peak fxremat reports and budgets are fractions of
 is the model's own (measured on GPT-2, Llama, T5, ViT: the captured
@@ -77,7 +77,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TraceError
 from .profile import PlainForward, is_fake, forward_bytes, preserved_state
-from .trace import (function_call, functions_routed, hooked_modules, is_compiled, is_torch_hook,
+from .trace import (function_call, functions_routed, hooked_modules, is_compiled, is_library_hook,
                     own_checkpoint_warning, own_checkpoints_seen, python_draws_warned, restore_modes, trace, user_line,
                     user_stack_line, varargs_reason)
 
@@ -440,11 +440,18 @@ def _plain_error(model: torch.nn.Module, args: tuple, kwargs: dict) -> Exception
     ``decoder_start_token_id``, needed to shift the labels) was reported as code torch.export
     cannot capture, with advice to make the line work on unknown values."""
     try:
-        with preserved_state(model), torch.enable_grad():
-            model(*args, **kwargs)
+        _run_plainly(model, args, kwargs)
     except Exception as exc:  # whatever the model's own code raises is the user's to see
         return exc
     return None
+
+
+def _run_plainly(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """``model(*args, **kwargs)`` run once as it trains (gradients on: a forward registering a
+    tensor hook fails without them, gradient checkpointing turns transformers' cache off only with
+    them), its state put back and the output dropped."""
+    with preserved_state(model), torch.enable_grad():
+        model(*args, **kwargs)
 
 
 def _opaque(modules: dict, plain: dict[str, list[_PlainCall]]):
@@ -698,10 +705,10 @@ def _eager_looks_for_packing(model: torch.nn.Module, args: tuple, kwargs: dict) 
         calls.append(1)
         return original(position_ids)
 
-    with _EXPORT_LOCK, preserved_state(model), torch.enable_grad():
+    with _EXPORT_LOCK:
         masking.find_packed_sequence_indices = counted
         try:
-            model(*args, **kwargs)
+            _run_plainly(model, args, kwargs)
         finally:
             masking.find_packed_sequence_indices = original
     return bool(calls)
@@ -725,8 +732,7 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
     known = dict((fact[0], fact[1:]) for fact in facts)
     ones = known["masks all ones"][0]
     steps = known["positions step by one"][0] or not packing_looked
-    with _EXPORT_LOCK:
-        original = {n: getattr(masking, n) for n in _MASKING_NAMES}
+    original: dict = {}  # read under the lock, as the patch is made
     given: list[torch.Tensor] = []  # the call's all-ones masks, as the export hands them to the forward
     marked: list[torch.Tensor] = []  # those as masking_utils prepared them
     decided = []  # a decision the facts could change was made
@@ -763,6 +769,7 @@ def _masks_as_eager(model: torch.nn.Module, facts: tuple, packing_looked: bool =
                 "find_packed_sequence_indices": packed, "is_torchdynamo_exporting": lambda: False,
                 "_preprocess_mask_arguments": prepared}
     with _EXPORT_LOCK:
+        original.update((n, getattr(masking, n)) for n in _MASKING_NAMES)
         hook = model.register_forward_pre_hook(seen, with_kwargs=True)
         for name, function in replaced.items():
             setattr(masking, name, function)
@@ -851,7 +858,7 @@ def _hooks_held_out(model: torch.nn.Module):
     modules = [model.get_submodule(path) for path in hooked_modules(model) if path != "<global>"]
     saved = [(m, name, getattr(m, name)) for m in modules for name in _MODULE_HOOK_DICTS]
     for module, name, hooks in saved:  # torch's and transformers' own stay: part of the computation
-        setattr(module, name, type(hooks)((key, hook) for key, hook in hooks.items() if is_torch_hook(hook)))
+        setattr(module, name, type(hooks)((key, hook) for key, hook in hooks.items() if is_library_hook(hook)))
     try:
         yield
     finally:
@@ -1052,8 +1059,10 @@ def capture_call(model: torch.nn.Module, args: tuple, kwargs: dict, *, leaf_modu
              if path and (path in leaf_modules or isinstance(m, classes) or is_compiled(m) or path in hooked)}
     given = {p: m for p, m in given.items() if not any(p.startswith(o + ".") for o in given)}  # outermost
     facts = _facts(model, args, kwargs)
-    # the call builds a cache plainly (use_cache left to the config) and may not look for packing
-    looked = not (facts and not facts[1][1] and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
+    # packed position ids, and use_cache left to the config: plainly the call may build a cache, and
+    # then it does not look for packed sequences
+    packed = not dict(facts).get("positions step by one", True)
+    looked = not (packed and "use_cache" in added) or _eager_looks_for_packing(model, args, kwargs)
     facts = (facts, looked)
     distinct_args, distinct_kwargs = _distinct_inputs(args, {**kwargs, **added})
     exported, calls, module_calls, checkpoints, opaque = _exported(model, distinct_args, distinct_kwargs, given,

@@ -68,7 +68,7 @@ from ..measure import AllocatorPeak, LiveStorageTracker
 from ..records import PLAN_COST_MODELS
 from ..runtime import module_generators, put_back
 from .state import StateWrites
-from .trace import CALL_OPS, is_torch_hook, module_of, python_rng_put_back, unpacked, written_inputs
+from .trace import CALL_OPS, is_library_hook, module_of, python_rng_put_back, unpacked, written_inputs
 
 __all__ = ["NodeCost", "GraphCosts", "PlainForward", "profile", "forward_bytes", "user_hooks_disabled",
            "COST_MODELS"]
@@ -1420,7 +1420,7 @@ def user_hooks_disabled(root: torch.nn.Module):
     dicts += [getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOK_DICTS]
     removed = []
     for hooks in dicts:
-        users = {k: h for k, h in hooks.items() if not is_torch_hook(h)}
+        users = {k: h for k, h in hooks.items() if not is_library_hook(h)}
         if users:
             removed.append((hooks, dict(hooks), users))
             for k in users:

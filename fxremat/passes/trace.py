@@ -65,7 +65,7 @@ import torch.utils.checkpoint
 from ..errors import TraceError
 from .state import kept_state
 
-__all__ = ["trace", "functions_routed", "python_rng_put_back", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_torch_hook", "writes_in_place", "SettingsWatch", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
+__all__ = ["trace", "functions_routed", "python_rng_put_back", "function_call", "CALL_OPS", "module_of", "has_hooks", "hooked_modules", "HookWatch", "is_library_hook", "writes_in_place", "SettingsWatch", "restore_modes", "output_rebuilder", "ModeCall", "GradModeCall", "GRAD_MODE_KWARG",
            "AUTOCAST_KWARG", "unpacked"]
 
 log = logging.getLogger("fxremat")
@@ -338,10 +338,11 @@ def has_hooks(module: torch.nn.Module) -> bool:
                 or any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS))
 
 
-def is_torch_hook(hook) -> bool:
-    """Whether ``hook`` is defined inside torch (FSDP2, ``weight_norm``), or is transformers' own
-    output capturing (installed on the first call, it hands a layer's output to the model's
-    ``hidden_states``): part of the module's computation rather than a user's observer."""
+def is_library_hook(hook) -> bool:
+    """Whether ``hook`` is a library's, not the user's: defined inside torch (FSDP2,
+    ``weight_norm``), or transformers' own output capturing (installed on the first call, it hands
+    a layer's output to the model's ``hidden_states``): part of the module's computation rather
+    than a user's observer."""
     fn = getattr(hook, "func", hook)  # functools.partial
     fn = getattr(fn, "__func__", fn)  # bound methods
     module = getattr(fn, "__module__", None) or type(fn).__module__
@@ -387,7 +388,7 @@ def hooked_modules(model: torch.nn.Module) -> frozenset[str]:
 
 
 def _user_hooks(hooks) -> bool:
-    return any(not is_torch_hook(h) for h in hooks.values())
+    return any(not is_library_hook(h) for h in hooks.values())
 
 
 # Submodules set on any module since import, counted by a global module-registration hook that
@@ -947,15 +948,16 @@ def _python_rngs_drawn(before: tuple) -> bool:
 @contextlib.contextmanager
 def python_rng_put_back():
     """Put the generators Python code draws from outside torch (the ``random`` module's and, where
-    numpy is imported, numpy's global one) back as they were when the block exits, as
+    numpy is imported, numpy's global one) back as they were when the block exits (it is given
+    those states, :func:`_python_rng_states`), as
     :func:`~fxremat.passes.profile.preserved_state` does torch's: compiling drew from them (each
     trace or export of a model whose forward draws, and its plain run), so a seeded training run
     compiled drew other numbers than the same run plain, and the plain run of a captured model drew
     another SpecAugment mask than the one its export baked in, which then differed from it
     (Hugging Face Wav2Vec2: a false warning that its code branched on is_exporting())."""
-    python_state, numpy_state = _python_rng_states()
+    states = python_state, numpy_state = _python_rng_states()
     try:
-        yield
+        yield states
     finally:
         random.setstate(python_state)
         if numpy_state is not None:
@@ -969,8 +971,7 @@ def python_draws_warned(model: torch.nn.Module, how: str):
     the trace's branch (a LayerDrop written ``if random.random() < p: return x`` skipped its layer
     on every step, or on none, silently, where eager skips it on some). The generators are put back
     after (:func:`python_rng_put_back`)."""
-    before = _python_rng_states()
-    with python_rng_put_back():
+    with python_rng_put_back() as before:
         yield
         drew = _python_rngs_drawn(before)
     if drew:
